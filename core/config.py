@@ -1,0 +1,210 @@
+"""Command-line configuration: YAML files under ``configs/`` composed with omegaconf.
+
+Every entry point takes arguments of two kinds:
+
+* **group selections** ``group=option`` (no dot in the key): ``heads=ctc`` loads
+  ``configs/heads/ctc.yaml`` into ``cfg.heads``.  The groups are the sub-directories of
+  ``configs/`` (except ``sweeps``); their defaults are listed under ``defaults:`` in
+  ``configs/config.yaml``.
+* **overrides** ``key=value`` in omegaconf dotlist syntax: ``train.lr=3e-4``,
+  ``prep.layers=[8,15,22]``, ``labels=teacher_forced``.
+
+An unknown group, group option or key raises :class:`ConfigError` naming the valid choices.
+The composed config is struct-mode (no new keys) and is validated by :func:`validate`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from core.io import atomic_write_text, sha256_json
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = Path(os.environ.get("DRAFTHEADS_CONFIG_DIR", REPO_ROOT / "configs"))
+NON_GROUP_DIRS = {"sweeps"}
+
+
+class ConfigError(ValueError):
+    """A bad command-line argument or config value; the message names the key and the valid choices."""
+
+
+def groups() -> list[str]:
+    """Names of the config groups: the sub-directories of ``configs/`` that hold YAML options."""
+    return sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name not in NON_GROUP_DIRS)
+
+
+def group_options(group: str) -> list[str]:
+    """Option names (YAML stems) available in config group ``group``."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def _split_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    selections: dict[str, str] = {}
+    overrides: list[str] = []
+    valid_groups = groups()
+    for arg in argv:
+        if "=" not in arg:
+            raise ConfigError(
+                f"argument {arg!r} is not key=value; groups: {', '.join(valid_groups)}; "
+                "overrides look like section.key=value"
+            )
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+")
+        if "." not in key and key in valid_groups:
+            selections[key] = value
+        else:
+            overrides.append(f"{key}={value}")
+    return selections, overrides
+
+
+def _valid_keys(cfg: DictConfig, dotted: str) -> tuple[str, list[str]]:
+    parts = dotted.split(".")
+    node = cfg
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, DictConfig) and part in node and isinstance(node[part], DictConfig):
+            node = node[part]
+        else:
+            return ".".join(parts[: i + 1]), sorted(node.keys()) if isinstance(node, DictConfig) else []
+    return ".".join(parts[:-1]) or "<root>", sorted(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def compose(argv: Sequence[str] = ()) -> DictConfig:
+    """Compose ``configs/config.yaml``, the selected group options and the dotlist overrides.
+
+    Args:
+        argv: command-line arguments, e.g. ``["heads=ctc", "train.max_steps=10"]``.
+
+    Returns:
+        A struct-mode ``DictConfig``.  ``cfg.choices`` records the selected option of every group.
+
+    Raises:
+        ConfigError: an argument is not ``key=value``, a group option does not exist, a key is
+            unknown (the message lists the valid keys of that section), or :func:`validate` fails.
+    """
+    base = OmegaConf.load(CONFIG_DIR / "config.yaml")
+    defaults = dict(base.pop("defaults", {}) or {})
+    selections, overrides = _split_args(argv)
+    for group in groups():
+        defaults.setdefault(group, None)
+    choices = {}
+    for group, default in defaults.items():
+        if group not in groups():
+            raise ConfigError(f"config.yaml defaults name unknown group {group!r}; groups: {', '.join(groups())}")
+        option = selections.get(group, default)
+        if option is None:
+            continue
+        path = CONFIG_DIR / group / f"{option}.yaml"
+        if not path.exists():
+            raise ConfigError(
+                f"unknown option {group}={option}; valid choices: {', '.join(group_options(group))}"
+            )
+        base[group] = OmegaConf.load(path)
+        choices[group] = option
+    base["choices"] = choices
+    OmegaConf.set_struct(base, True)
+    for item in overrides:
+        key, value = item.split("=", 1)
+        try:
+            parsed = OmegaConf.from_dotlist([item])
+            OmegaConf.update(base, key, OmegaConf.select(parsed, key), merge=True)
+        except (ConfigKeyError, ConfigAttributeError):
+            where, valid = _valid_keys(base, key)
+            raise ConfigError(
+                f"unknown config key {key!r} (in {where!r}); valid keys there: {', '.join(valid)}"
+            ) from None
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"bad override {item!r}: {exc}") from None
+    validate(base)
+    return base
+
+
+# --------------------------------------------------------------------------------------------
+# Validation.  Modules register checks; each raises ConfigError naming the key.
+# --------------------------------------------------------------------------------------------
+_VALIDATORS: list[Callable[[DictConfig], None]] = []
+
+
+def register_validator(fn: Callable[[DictConfig], None]) -> Callable[[DictConfig], None]:
+    """Decorator: add ``fn(cfg)`` to the checks :func:`validate` runs."""
+    _VALIDATORS.append(fn)
+    return fn
+
+
+def check_choice(cfg: DictConfig, key: str, allowed: Iterable) -> None:
+    """Raise :class:`ConfigError` unless ``cfg.<key>`` (dotted) is one of ``allowed``."""
+    allowed = list(allowed)
+    value = OmegaConf.select(cfg, key, default=None)
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not valid; choices: {', '.join(map(str, allowed))}")
+
+
+def check_range(cfg: DictConfig, key: str, lo: float | None = None, hi: float | None = None) -> None:
+    """Raise :class:`ConfigError` unless ``lo <= cfg.<key> <= hi`` (bounds optional)."""
+    value = OmegaConf.select(cfg, key, default=None)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} must be a number")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ConfigError(f"{key}={value!r} must lie in [{lo}, {hi}]")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@register_validator
+def _core_checks(cfg: DictConfig) -> None:
+    if "model" in cfg:
+        check_choice(cfg, "model.dtype", DTYPES)
+    if "labels" in cfg:
+        check_choice(cfg, "labels", ("teacher_forced", "regenerate"))
+
+
+def validate(cfg: DictConfig) -> None:
+    """Run every registered check (import the packages that register theirs first)."""
+    _import_validators()
+    for fn in _VALIDATORS:
+        fn(cfg)
+
+
+def _import_validators() -> None:
+    import importlib
+
+    for mod in ("data_prep.config_checks", "heads", "train.config_checks", "evaluation.config_checks"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not mod.startswith(exc.name):
+                raise
+
+
+# --------------------------------------------------------------------------------------------
+def to_container(cfg: DictConfig | ListConfig) -> dict:
+    """Plain, resolved Python containers (JSON-safe) of ``cfg``."""
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def config_hash(cfg: DictConfig, keys: Sequence[str]) -> str:
+    """SHA-256 (hex) over the resolved sub-configs ``keys`` (dotted), e.g. the cache-defining ones."""
+    return sha256_json({k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True)
+                        if isinstance(OmegaConf.select(cfg, k), (DictConfig, ListConfig))
+                        else OmegaConf.select(cfg, k) for k in keys})
+
+
+def save_config(cfg: DictConfig, directory: str | os.PathLike, name: str = "config.yaml") -> Path:
+    """Write the resolved config as YAML into ``directory`` atomically; return the file path."""
+    path = Path(directory) / name
+    atomic_write_text(path, OmegaConf.to_yaml(cfg, resolve=True))
+    return path
+
+
+def cli(argv: Sequence[str] | None = None) -> DictConfig:
+    """Compose the config from ``sys.argv``; on :class:`ConfigError` print it and exit with 2."""
+    try:
+        return compose(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,81 @@
+"""Atomic file writes and checksums.
+
+Every file draftheads writes goes to a temporary file in the destination directory and is
+then ``os.replace``-d into place, so a killed process never leaves a half-written file under
+the final name.  Nothing is ever pickled: tensors go to safetensors, everything else to JSON
+or YAML.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+
+def _tmp_path(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename)."""
+    path = Path(path)
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write UTF-8 ``text`` to ``path`` atomically."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented, key-sorted JSON to ``path`` atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def atomic_save_safetensors(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Save ``tensors`` (name -> contiguous CPU tensor) as a safetensors file atomically.
+
+    ``metadata`` values must be strings (a safetensors restriction).
+    """
+    from safetensors.torch import save
+
+    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=dict(metadata or {}))
+    atomic_write_bytes(path, data)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """Hex SHA-256 of a file's bytes, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Hex SHA-256 of the canonical (key-sorted, compact) JSON encoding of ``obj``."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

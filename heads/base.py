@@ -1,0 +1,108 @@
+"""The draft-head interface every method implements, and the borrowed frozen base weights.
+
+A draft head is an ``nn.Module`` that
+
+* is built from its config section (``configs/heads/<name>.yaml``) and the base model's
+  ``PretrainedConfig`` (:meth:`DraftHead.__init__`);
+* borrows the base model's frozen token embedding, final RMSNorm and LM head through
+  :meth:`DraftHead.attach_base`.  They are registered as *non-persistent buffers*: never in a
+  head checkpoint, never trained, and never partitioned by DeepSpeed ZeRO-3 (which shards
+  parameters only), so every rank holds them whole and the export stays readable;
+* computes its training loss and validation metrics from a cached batch
+  (see ``data_prep.cache.collate`` for the batch keys and shapes);
+* builds a drafter for the lossless speculative-decoding runtime in ``decoding/``.
+
+Checkpoint format (written by :func:`heads.save`, read by :func:`heads.load`): a directory with
+``model.safetensors`` (trainable head weights only) and ``config.json`` (head type, every
+hyperparameter, the base model's identity and vocab size).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training is, for schedules such as Falcon's glancing ratio λ.
+
+    ``step`` counts optimizer steps from 0; ``epoch`` counts epochs from 0; totals are the
+    configured budgets (``total_steps`` >= 1, ``total_epochs`` >= 1).
+    """
+
+    step: int = 0
+    total_steps: int = 1
+    epoch: int = 0
+    total_epochs: int = 1
+
+
+class DraftHead(nn.Module):
+    """Base class of every draft head.
+
+    Subclasses set ``head_type`` (the registry name, e.g. ``"ctc"``), and implement
+    :meth:`training_loss`, :meth:`validation_metrics` and :meth:`make_drafter`.
+
+    Args:
+        cfg: the plain-dict ``heads`` config section (hyperparameters); stored as ``self.cfg``
+            and written to ``config.json`` on save.
+        base_config: the base model's ``transformers.PretrainedConfig``.
+    """
+
+    head_type: ClassVar[str] = ""
+
+    def __init__(self, cfg: dict[str, Any], base_config) -> None:
+        super().__init__()
+        self.cfg = dict(cfg)
+        self.base_config = base_config
+        self.hidden_size = int(base_config.hidden_size)
+        self.vocab_size = int(base_config.vocab_size)
+
+    # -- borrowed frozen weights ---------------------------------------------------------------
+    def attach_base(self, base_model) -> None:
+        """Borrow the base model's frozen embedding [V,H], final-norm weight [H] and LM head [V,H].
+
+        They become non-persistent buffers ``embed_weight``, ``norm_weight``, ``lm_head_weight``
+        (same dtype as the base).  Call again after moving the base model if needed.
+        """
+        inner = base_model.get_decoder() if hasattr(base_model, "get_decoder") else base_model.model
+        emb = base_model.get_input_embeddings().weight.detach()
+        head = base_model.get_output_embeddings().weight.detach()
+        self.register_buffer("embed_weight", emb, persistent=False)
+        self.register_buffer("lm_head_weight", head, persistent=False)
+        self.register_buffer("norm_weight", inner.norm.weight.detach(), persistent=False)
+        self.norm_eps = float(getattr(self.base_config, "rms_norm_eps", 1e-6))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Frozen token embedding: ids [...] (long) -> [..., H]."""
+        return nn.functional.embedding(ids, self.embed_weight)
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Frozen LM head: h [..., H] -> logits [..., V] (in h's dtype)."""
+        return h @ self.lm_head_weight.to(h.dtype).T
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The base model's frozen final RMSNorm (computed in fp32, returned in h's dtype)."""
+        x = h.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        return (self.norm_weight.float() * x).to(h.dtype)
+
+    # -- what each method implements ---------------------------------------------------------
+    def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:
+        """Return ``(scalar loss, metrics)`` for a cached batch; metrics are floats to log."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def validation_metrics(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Per-batch validation metrics as ``{name: (sum, count)}``-style tensors; see subclasses."""
+        raise NotImplementedError
+
+    def make_drafter(self, base_model, **kwargs):
+        """Build the decoding-time drafter bound to ``base_model`` (see ``decoding/``)."""
+        raise NotImplementedError
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The head's own weights (``requires_grad`` parameters and persistent buffers)."""
+        return {k: v for k, v in self.state_dict().items()}

@@ -1,0 +1,131 @@
+"""Registry of draft-head classes, and the checkpoint format.
+
+A head module registers its class with ``@register``; :data:`HEAD_MODULES` lists the modules
+imported on first use, so adding a head is: one file under ``heads/``, one line here, and one
+``configs/heads/<name>.yaml``.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.io import atomic_save_safetensors, atomic_write_json
+
+HEAD_MODULES = ("heads.ctc", "heads.falcon", "heads.adadecode")
+HEADS: dict[str, type] = {}
+FORMAT_VERSION = 1
+
+
+def register(cls):
+    """Class decorator: register a :class:`heads.base.DraftHead` subclass under ``cls.head_type``."""
+    if not cls.head_type:
+        raise ValueError(f"{cls.__name__} has no head_type")
+    HEADS[cls.head_type] = cls
+    return cls
+
+
+def _import_heads() -> None:
+    for mod in HEAD_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod:
+                raise
+
+
+def head_class(head_type: str):
+    """The registered class for ``head_type``; raises ``KeyError`` listing the valid types."""
+    _import_heads()
+    if head_type not in HEADS:
+        raise KeyError(f"unknown head type {head_type!r}; registered: {', '.join(sorted(HEADS))}")
+    return HEADS[head_type]
+
+
+def build(head_cfg: Any, base_model):
+    """Build the head described by ``head_cfg`` (a ``heads`` section with a ``type`` key).
+
+    The head's trainable weights are initialised (seeded by the caller), and the base model's
+    frozen embedding / final norm / LM head are attached as non-persistent buffers.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    cfg = OmegaConf.to_container(head_cfg, resolve=True) if isinstance(head_cfg, DictConfig) else dict(head_cfg)
+    head = head_class(cfg["type"])(cfg, base_model.config)
+    head.attach_base(base_model)
+    return head
+
+
+def save(head, directory: str | os.PathLike, base_identity: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+    """Write ``model.safetensors`` (head weights only, fp32) and ``config.json`` atomically.
+
+    ``config.json`` holds ``head_type``, the full head config, ``base`` (identity incl. vocab
+    size) and ``base_config`` (the base model's HF config dict, so the head can be rebuilt
+    without loading the base).  ``extra`` (e.g. training step, metrics) is stored as-is.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().float().contiguous() if v.is_floating_point() else v for k, v in head.trainable_state_dict().items()}
+    atomic_save_safetensors(tensors, directory / "model.safetensors", metadata={"format": "draftheads", "head_type": head.head_type})
+    atomic_write_json(
+        directory / "config.json",
+        {
+            "format_version": FORMAT_VERSION,
+            "head_type": head.head_type,
+            "head": head.cfg,
+            "base": base_identity,
+            "base_config": head.base_config.to_dict(),
+            "extra": extra or {},
+        },
+    )
+    return directory
+
+
+def load(directory: str | os.PathLike, base_model=None, model_cfg: Any | None = None):
+    """Rebuild a head from a checkpoint directory alone (no pickle).
+
+    Args:
+        directory: holds ``model.safetensors`` and ``config.json``.
+        base_model: the frozen base model to borrow embedding / norm / LM head from.  If None,
+            the base is loaded from ``model_cfg`` or, failing that, from the source recorded in
+            ``config.json``.
+
+    Returns:
+        ``(head, meta)`` with ``meta`` the parsed ``config.json``.
+
+    Raises:
+        FileNotFoundError: a file is missing.  ValueError: the checkpoint's vocab size does not
+        match the base model's.
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    directory = Path(directory)
+    for name in ("model.safetensors", "config.json"):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"checkpoint {directory} has no {name}")
+    meta = json.loads((directory / "config.json").read_text())
+    if base_model is None:
+        from core.base_model import load_base_model
+
+        source = model_cfg if model_cfg is not None else {"path": meta["base"]["source"], "dtype": "float32"}
+        base_model, _, _ = load_base_model(source)
+    if int(base_model.config.vocab_size) != int(meta["base"]["vocab_size"]):
+        raise ValueError(
+            f"checkpoint {directory} was trained for vocab {meta['base']['vocab_size']}, "
+            f"base model has {base_model.config.vocab_size}"
+        )
+    cls = head_class(meta["head_type"])
+    base_config = AutoConfig.for_model(**{k: v for k, v in meta["base_config"].items() if k != "model_type"},
+                                       model_type=meta["base_config"]["model_type"])
+    head = cls(meta["head"], base_config)
+    state = load_file(directory / "model.safetensors")
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {directory}: missing keys {missing}, unexpected keys {unexpected}")
+    head.attach_base(base_model)
+    return head, meta
