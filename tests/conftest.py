@@ -1,0 +1,45 @@
+"""Shared fixtures: a tiny random Llama + ChatML tokenizer written as a local HF folder.
+
+No download happens anywhere in the suite; the one end-to-end test on the real packaged model
+is marked ``slow`` and converts the packaged GGUF once into ``$DRAFTHEADS_CACHE``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The unit tests use toy-sized tensors: one intra-op thread is faster than two on a 2-core
+# machine (no oversubscription when a subprocess test runs alongside).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A local HF folder with a tiny random Llama (4 layers, H=64) and a ChatML BPE tokenizer."""
+    from core.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tiny_model_dir):
+    """``(model, tokenizer, identity)`` loaded through ``core.base_model`` in fp32, frozen."""
+    from core.base_model import load_base_model
+
+    return load_base_model({"path": str(tiny_model_dir), "dtype": "float32", "attn_implementation": "eager"})
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
