@@ -1,0 +1,112 @@
+"""Data-prep throughput against the bare base forward pass, and cache bytes against raw tensor bytes.
+
+Both timings run in one process on the same conversations and the same length-sorted batches
+(``data_prep.pipeline.length_batches``):
+
+* **bare forward**: ``model(input_ids, attention_mask)`` per batch (logits, no hidden states kept);
+* **data prep**: ``build_records`` (templating, forward with hidden states, chunked argmax labels)
+  + ``build_shard_tensors`` + ``write_shard`` (safetensors + sha256 + sidecar) into a temp dir.
+
+Each is repeated ``--repeats`` times alternately; the best time of each is reported.  Labels are
+teacher-forced here (regeneration is decoding, not a forward pass; ``--regenerate`` times it
+separately).  Targets (issue 2): prep ≥ 0.90× forward tokens/s, cache ≤ 1.02× raw bytes.
+
+    python benchmarks/bench_data_prep.py                       # real packaged SmolLM2, 16 conversations
+    python benchmarks/bench_data_prep.py --tiny                # tiny random Llama (seconds)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from core.config import compose  # noqa: E402
+from data_prep import cache as cache_mod  # noqa: E402
+from data_prep.labels import _pad_right  # noqa: E402
+from data_prep.pipeline import build_records, length_batches, read_split  # noqa: E402
+from data_prep.template import end_of_turn_ids, flatten, segment_conversation  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="use the tiny random Llama instead of SmolLM2")
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--layers", type=str, default="", help="comma-separated intermediate layers, e.g. 8,15,22")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--regenerate", type=int, default=0, metavar="MAX_NEW_TOKENS",
+                    help="also time labels=regenerate with this many new tokens per turn")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_data_prep_"))
+    if args.tiny:
+        from core.tiny import save_tiny_model
+
+        model_args = [f"model.path={save_tiny_model(tmp / 'tiny')}"]
+    else:
+        model_args = []
+    cfg = compose(model_args + [f"data.max_conversations={args.conversations}", f"data.max_length={args.max_length}"])
+    from core.base_model import load_base_model
+
+    model, tok, ident = load_base_model(cfg.model)
+    data = read_split(cfg.data)
+    convs = data.train + data.val
+    eos = end_of_turn_ids(tok, model)
+    L = int(model.config.num_hidden_layers)
+    layers = [int(x) for x in args.layers.split(",") if x]
+    dtype = cache_mod._TORCH_DTYPES[args.dtype]
+    seqs = [flatten(segment_conversation(tok, c.messages, c.id, eos, args.max_length), args.max_length)[0] for c in convs]
+    batches = length_batches([len(s) for s in seqs], args.batch_tokens)
+    n_tokens = sum(len(s) for s in seqs)
+    pad = tok.pad_token_id
+
+    @torch.inference_mode()
+    def bare():
+        for g in batches:
+            ids, attn = _pad_right([seqs[i] for i in g], pad)
+            model(input_ids=ids, attention_mask=attn)
+
+    def prep(k):
+        records, _ = build_records(model, tok, convs, labels_mode="teacher_forced", max_length=args.max_length,
+                                   max_new_tokens=1, layers=layers, final_layer=L, batch_tokens=args.batch_tokens,
+                                   gen_batch_size=1)
+        tensors = cache_mod.build_shard_tensors(records, layers, L, dtype)
+        entry = cache_mod.write_shard(tmp / f"run{k}", 0, tensors, [r["id"] for r in records], {})
+        raw = sum(t.numel() * t.element_size() for t in tensors.values())
+        return entry["bytes"], raw
+
+    t_bare, t_prep = [], []
+    for k in range(args.repeats):
+        t0 = time.perf_counter(); bare(); t_bare.append(time.perf_counter() - t0)
+        t0 = time.perf_counter(); size, raw = prep(k); t_prep.append(time.perf_counter() - t0)
+    result = {
+        "model": "tiny" if args.tiny else "SmolLM2-135M-Instruct (packaged GGUF, fp32)",
+        "threads": torch.get_num_threads(), "conversations": len(convs), "tokens": n_tokens,
+        "batches": len(batches), "layers_cached": [L] + layers, "dtype": args.dtype,
+        "bare_forward_tok_s": n_tokens / min(t_bare), "data_prep_tok_s": n_tokens / min(t_prep),
+        "throughput_ratio": min(t_bare) / min(t_prep),
+        "cache_bytes": size, "raw_tensor_bytes": raw, "bytes_ratio": size / raw, "bytes_per_token": size / n_tokens,
+    }
+    if args.regenerate:
+        t0 = time.perf_counter()
+        recs, _ = build_records(model, tok, convs, labels_mode="regenerate", max_length=args.max_length,
+                                max_new_tokens=args.regenerate, layers=layers, final_layer=L,
+                                batch_tokens=args.batch_tokens, gen_batch_size=16)
+        dt = time.perf_counter() - t0
+        result.update({"regenerate_max_new_tokens": args.regenerate, "regenerate_seconds": dt,
+                       "regenerate_conversations_per_s": len(convs) / dt,
+                       "regenerate_tokens": sum(len(r["input_ids"]) for r in recs)})
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Value checks for the ``data`` and ``prep`` config sections (registered with core.config)."""
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from core.config import ConfigError, check_choice, check_range, register_validator
+
+
+@register_validator
+def _data_prep_checks(cfg: DictConfig) -> None:
+    if "data" in cfg:
+        check_range(cfg, "data.heldout_fraction", 0.0, 1.0)
+        check_range(cfg, "data.max_length", 2)
+        if cfg.data.get("max_conversations") is not None:
+            check_range(cfg, "data.max_conversations", 1)
+        if not str(cfg.data.get("split_salt", "")):
+            raise ConfigError("data.split_salt must be a non-empty string")
+    if "prep" in cfg:
+        check_choice(cfg, "prep.dtype", ("bfloat16", "float16", "float32"))
+        check_range(cfg, "prep.shard_size", 1)
+        check_range(cfg, "prep.batch_tokens", 1)
+        check_range(cfg, "prep.gen_batch_size", 1)
+        check_range(cfg, "prep.max_new_tokens", 1)
+        layers = OmegaConf.select(cfg, "prep.layers")
+        if layers is None or not OmegaConf.is_list(layers) or not all(
+                isinstance(l, int) and not isinstance(l, bool) and l >= 0 for l in layers):
+            raise ConfigError(f"prep.layers={layers!r} must be a list of hidden-state indices >= 0 "
+                              "(hs[l], l < L; the final layer L is always cached), e.g. prep.layers=[8,15,22]")

@@ -1,0 +1,109 @@
+"""ShareGPT reader: cut-off / corrupt files, bad-record kinds, role mapping, held-out split."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from data_prep.sharegpt import BAD_REASONS, ReadStats, iter_conversations, iter_records, normalize
+from data_prep.split import is_heldout
+
+
+def _rec(i, n_pairs=1):
+    conv = []
+    for j in range(n_pairs):
+        conv += [{"from": "human", "value": f"question {i}.{j} with \"quotes\" {{braces}} [x]"},
+                 {"from": "gpt", "value": f"answer {i}.{j} ünïcode ✓"}]
+    return {"id": f"r{i}", "conversations": conv}
+
+
+def test_cut_off_json_array_recovers_exactly_the_complete_records(tmp_path):
+    records = [_rec(i, n_pairs=i + 1) for i in range(4)]
+    text = json.dumps(records, indent=2, ensure_ascii=False)
+    # cut in the middle of the 4th record (inside a nested turn object)
+    cut = text.index('"r3"') + 60
+    path = tmp_path / "cut.json"
+    path.write_bytes(text[:cut].encode("utf-8"))
+    stats = ReadStats()
+    got = list(iter_records(path, stats))
+    assert got == records[:3]
+    assert stats.finished and stats.records == 3
+    tail = text[text.index('"r3"'):cut]
+    tail_start = text.rindex("{", 0, text.index('"r3"'))
+    assert stats.unparsed_bytes == len(text[tail_start:cut].encode("utf-8"))
+    assert len(tail) > 0
+
+
+def test_jsonl_with_corrupt_line_and_truncated_tail(tmp_path):
+    good = [_rec(i) for i in range(5)]
+    lines = [json.dumps(r) for r in good]
+    corrupt = '{"id": "bad", "conversations": [{"from": "human", "value": "x"}, BROKEN'
+    body = "\n".join(lines[:2] + [corrupt] + lines[2:]) + "\n" + lines[0][:25]
+    path = tmp_path / "data.jsonl"
+    path.write_text(body, encoding="utf-8")
+    stats = ReadStats()
+    got = list(iter_records(path, stats))
+    assert got == good
+    assert stats.unparsed_bytes == len(corrupt.encode()) + 25
+
+
+def test_complete_file_has_no_unparsed_bytes(tmp_path):
+    records = [_rec(i) for i in range(3)]
+    path = tmp_path / "ok.json"
+    path.write_text(json.dumps(records))
+    stats = ReadStats()
+    assert list(iter_records(path, stats)) == records and stats.unparsed_bytes == 0
+
+
+def test_each_bad_record_kind_is_skipped_and_counted(tmp_path):
+    H, G = "human", "gpt"
+    bad = {
+        "missing_conversations": [{"id": "a"}, {"id": "a2", "conversations": "not a list"}, ["not", "a", "dict"]],
+        "non_string_value": [{"id": "b", "conversations": [{"from": H, "value": 3}, {"from": G, "value": "x"}]}],
+        "empty_turn": [{"id": "c", "conversations": [{"from": H, "value": "  \n"}, {"from": G, "value": "x"}]}],
+        "unknown_role": [{"id": "d", "conversations": [{"from": "robot", "value": "q"}, {"from": G, "value": "x"}]}],
+        "no_assistant_turn": [{"id": "e", "conversations": [{"from": H, "value": "q"}]},
+                              {"id": "e2", "conversations": []}],
+        "bad_first_turn": [{"id": "f", "conversations": [{"from": G, "value": "x"}, {"from": H, "value": "q"}]},
+                           {"id": "f2", "conversations": [{"from": "system", "value": "s"}, {"from": G, "value": "x"}]}],
+    }
+    assert set(bad) == set(BAD_REASONS)
+    good = [
+        {"id": "g1", "conversations": [{"from": "system", "value": "sys"}, {"from": "user", "value": "q"},
+                                       {"from": "chatgpt", "value": "a"}, {"from": "human", "value": "trailing"}]},
+        {"id": "g2", "conversations": [{"from": "Human", "value": "q"}, {"from": "bard", "value": "a"},
+                                       {"from": "human", "value": "q2"}, {"from": "bing", "value": "a2"},
+                                       {"from": "human", "value": "q3"}, {"from": "assistant", "value": "a3"}]},
+    ]
+    records = [r for rs in bad.values() for r in rs] + good
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    stats = ReadStats()
+    convs = list(iter_conversations(path, stats))
+    assert dict(stats.dropped) == {k: len(v) for k, v in bad.items()}
+    assert stats.kept == 2 and stats.records == len(records)
+    assert [c.id for c in convs] == ["g1", "g2"]
+    # roles mapped, the turn after the last assistant turn dropped
+    assert [m["role"] for m in convs[0].messages] == ["system", "user", "assistant"]
+    assert [m["role"] for m in convs[1].messages] == ["user", "assistant"] * 3
+
+
+def test_missing_id_gets_positional_id():
+    conv = normalize({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, 7)
+    assert conv.id == "record-7"
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        list(iter_conversations(tmp_path / "nope.json"))
+
+
+def test_heldout_split_is_deterministic_and_close_to_fraction():
+    ids = [f"conv{i}" for i in range(4000)]
+    held = [i for i in ids if is_heldout(i, 0.1, "salt")]
+    assert held == [i for i in ids if is_heldout(i, 0.1, "salt")]
+    assert 300 < len(held) < 500
+    assert set(held) != {i for i in ids if is_heldout(i, 0.1, "other-salt")}
+    assert not any(is_heldout(i, 0.0, "salt") for i in ids) and all(is_heldout(i, 1.0, "salt") for i in ids)
+    with pytest.raises(ValueError, match="heldout_fraction"):
+        is_heldout("x", 1.5, "salt")
