@@ -1,0 +1,157 @@
+"""The generic greedy speculative-decoding loop and the Drafter / Decoder protocols.
+
+Loop (METHODS.md §0 tree attention, §4.1 greedy verification, §5.1 metrics):
+
+1. prefill the prompt; the argmax at its last position is the first emitted token (the root);
+2. ``drafter.draft(root)`` proposes a :class:`decoding.tree.DraftTree` rooted at it;
+3. one base forward verifies the tree (:func:`decoding.verify.verify_tree`); the root and the
+   accepted path stay in the KV cache, the accepted tokens and the bonus token are emitted;
+4. ``drafter.accept(tokens, hidden)`` hands the drafter what entered the cache; the bonus token is
+   the next root; repeat until eos or ``max_new_tokens`` (surplus accepted tokens are dropped,
+   so the output equals :func:`decoding.vanilla.greedy_generate` token for token).
+
+τ convention (docs/design.md): tokens emitted per verification forward, bonus token included;
+the first token, produced by the prefill exactly as in vanilla decoding, is not counted.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+from decoding.tree import DraftTree
+from decoding.vanilla import check_generate_args
+from decoding.verify import prefill, verify_tree
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A tree drafter driven by :class:`SpeculativeDecoder` (see docs/design.md).
+
+    - ``start(prompt_ids [T] long, hidden [T, H])`` after prefill; ``hidden[t]`` is the base
+      model's final post-norm hs[-1] at prompt position t (it predicts token t+1).
+    - ``draft(root_token: int) -> DraftTree`` rooted at the last emitted token.  Set the tree's
+      ``drafter_passes`` to the drafter forwards spent on this step (including those done in
+      ``accept``).
+    - ``accept(tokens [A+1] long, hidden [A+1, H])``: the root and accepted draft tokens, now in
+      the base cache, with their hs[-1] features.
+    - optional ``reset()``: called before ``start`` for every prompt.
+    """
+
+    def start(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None: ...
+
+    def draft(self, root_token: int) -> DraftTree: ...
+
+    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """Anything that decodes one prompt greedily and losslessly, e.g. AdaDecode's layer-skipping
+    decoder.  ``generate(prompt_ids [T] long, max_new_tokens) -> (tokens: list[int], stats: dict)``;
+    ``tokens`` excludes the prompt and includes a final eos if one was emitted; ``stats`` maps
+    names to numbers (or lists of numbers)."""
+
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]: ...
+
+
+class SpeculativeDecoder:
+    """Greedy speculative decoding with a tree :class:`Drafter` on a frozen HF base model.
+
+    Args:
+        base_model: the frozen HF causal LM (batch size 1; ``DynamicCache``).
+        drafter: a :class:`Drafter`.
+        eos_token_ids: stop after emitting any of these (the eos is part of the output).
+
+    ``generate`` returns ``(tokens, stats)`` with stats:
+    ``new_tokens``; ``prefill_forwards`` (1); ``base_forwards`` (verification forwards);
+    ``steps`` (= base_forwards); ``emitted_per_step`` (list, tokens each step emitted, bonus
+    included, after truncation); ``proposed_per_depth[d-1]`` (steps whose tree reached depth d);
+    ``reached_per_depth[d-1]`` (steps whose tree reached depth d and whose depths < d were all
+    accepted); ``accepted_per_depth[d-1]`` (steps that accepted a depth-d token);
+    ``tree_nodes`` (total draft nodes verified, root excluded); ``drafter_passes``;
+    ``drafter_seconds``; ``verify_seconds``; ``seconds`` (wall clock incl. prefill).
+
+    Raises:
+        TypeError: ``drafter`` lacks ``start``/``draft``/``accept``.
+        ValueError: a drafted tree's root is not the last emitted token.
+    """
+
+    def __init__(self, base_model, drafter, eos_token_ids: Iterable[int] = ()) -> None:
+        if not isinstance(drafter, Drafter):
+            raise TypeError(f"{type(drafter).__name__} does not implement start/draft/accept (decoding.speculative.Drafter)")
+        self.base_model = base_model
+        self.drafter = drafter
+        self.eos_token_ids = [int(e) for e in eos_token_ids]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
+        """Decode one prompt; see the class docstring for the stats."""
+        prompt_ids = check_generate_args(prompt_ids, max_new_tokens)
+        eos = set(self.eos_token_ids)
+        drafter = self.drafter
+        stats = {"prefill_forwards": 1, "base_forwards": 0, "steps": 0, "emitted_per_step": [],
+                 "proposed_per_depth": [], "reached_per_depth": [], "accepted_per_depth": [],
+                 "tree_nodes": 0, "drafter_passes": 0, "drafter_seconds": 0.0, "verify_seconds": 0.0}
+
+        def grow(d: int) -> None:
+            for key in ("proposed_per_depth", "reached_per_depth", "accepted_per_depth"):
+                while len(stats[key]) < d:
+                    stats[key].append(0)
+
+        t0 = time.perf_counter()
+        cache, root, hidden = prefill(self.base_model, prompt_ids)
+        out = [root]
+        td = time.perf_counter()
+        if hasattr(drafter, "reset"):
+            drafter.reset()
+        drafter.start(prompt_ids, hidden)
+        stats["drafter_seconds"] += time.perf_counter() - td
+        while root not in eos and len(out) < max_new_tokens:
+            td = time.perf_counter()
+            tree = drafter.draft(root)
+            stats["drafter_seconds"] += time.perf_counter() - td
+            if not isinstance(tree, DraftTree):
+                raise TypeError(f"drafter.draft returned {type(tree).__name__}, expected decoding.tree.DraftTree")
+            if tree.root_token != root:
+                raise ValueError(f"drafted tree's root token {tree.root_token} is not the last emitted token {root}")
+            tv = time.perf_counter()
+            res = verify_tree(self.base_model, cache, tree)
+            stats["verify_seconds"] += time.perf_counter() - tv
+            stats["base_forwards"] += 1
+            stats["steps"] += 1
+            stats["drafter_passes"] += int(tree.drafter_passes)
+            stats["tree_nodes"] += tree.num_nodes - 1
+            depth, acc = tree.max_depth, res.num_accepted
+            grow(depth)
+            for d in range(1, depth + 1):
+                stats["proposed_per_depth"][d - 1] += 1
+                if acc >= d - 1:
+                    stats["reached_per_depth"][d - 1] += 1
+                if acc >= d:
+                    stats["accepted_per_depth"][d - 1] += 1
+            emitted = 0
+            stop = False
+            for t in res.tokens[1:].tolist() + [res.bonus]:
+                out.append(t)
+                emitted += 1
+                if t in eos or len(out) >= max_new_tokens:
+                    stop = True
+                    break
+            stats["emitted_per_step"].append(emitted)
+            if stop:
+                break
+            td = time.perf_counter()
+            drafter.accept(res.tokens, res.hidden)
+            stats["drafter_seconds"] += time.perf_counter() - td
+            root = res.bonus
+        stats["seconds"] = time.perf_counter() - t0
+        stats["new_tokens"] = len(out)
+        return out, stats
+
+
+def tau(stats: dict) -> float:
+    """Mean tokens emitted per verification forward, bonus included (1.0 when no step ran)."""
+    steps = stats.get("emitted_per_step") or []
+    return float(sum(steps) / len(steps)) if steps else 1.0

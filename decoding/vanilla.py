@@ -1,0 +1,80 @@
+"""Vanilla greedy decoding with a KV cache: the reference every speculative decoder must equal.
+
+Stop rule (shared by every decoder in ``decoding/``): generation stops after emitting a token in
+``eos_token_ids`` (the eos is included in the output) or after ``max_new_tokens`` tokens.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import torch
+
+from decoding.verify import base_forward, prefill
+
+
+def eos_token_ids(tokenizer=None, base_model=None) -> list[int]:
+    """The eos ids to stop on: the tokenizer's eos plus the model's generation-config eos id(s)."""
+    ids: set[int] = set()
+    for src in (getattr(tokenizer, "eos_token_id", None),
+                getattr(getattr(base_model, "generation_config", None), "eos_token_id", None)):
+        if src is None:
+            continue
+        ids.update(int(i) for i in (src if isinstance(src, (list, tuple)) else [src]))
+    return sorted(ids)
+
+
+def check_generate_args(prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Validate a single prompt [T] (or [1, T]) and ``max_new_tokens``; return the prompt as [T] long."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    prompt_ids = torch.as_tensor(prompt_ids)
+    if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
+        prompt_ids = prompt_ids[0]
+    if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
+        raise ValueError(f"prompt_ids must be one non-empty sequence [T], got shape {tuple(prompt_ids.shape)}")
+    return prompt_ids.long()
+
+
+@torch.no_grad()
+def greedy_generate(base_model, prompt_ids: torch.Tensor, max_new_tokens: int,
+                    eos_token_ids: Iterable[int] = ()) -> tuple[list[int], dict]:
+    """KV-cached greedy decoding of one prompt.
+
+    Args:
+        base_model: the frozen HF causal LM.
+        prompt_ids: LongTensor [T].
+        max_new_tokens: at most this many new tokens (>= 1).
+        eos_token_ids: stop after emitting any of these (the eos is part of the output).
+
+    Returns:
+        ``(tokens, stats)``: the generated token ids (prompt excluded) and
+        ``{"new_tokens", "base_forwards" (excluding prefill), "prefill_forwards": 1, "seconds"}``.
+
+    Raises:
+        ValueError: bad ``prompt_ids`` or ``max_new_tokens``.
+    """
+    prompt_ids = check_generate_args(prompt_ids, max_new_tokens)
+    eos = set(int(e) for e in eos_token_ids)
+    t0 = time.perf_counter()
+    cache, token, _ = prefill(base_model, prompt_ids)
+    out = [token]
+    forwards = 0
+    while token not in eos and len(out) < max_new_tokens:
+        logits, _ = base_forward(base_model, torch.tensor([token]), cache)
+        forwards += 1
+        token = int(logits[-1].argmax())
+        out.append(token)
+    seconds = time.perf_counter() - t0
+    return out, {"new_tokens": len(out), "base_forwards": forwards, "prefill_forwards": 1, "seconds": seconds}
+
+
+class VanillaDecoder:
+    """:func:`greedy_generate` as a Decoder object (``generate(prompt_ids, max_new_tokens)``)."""
+
+    def __init__(self, base_model, eos_token_ids: Iterable[int] = ()) -> None:
+        self.base_model = base_model
+        self.eos_token_ids = list(eos_token_ids)
+
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
+        return greedy_generate(self.base_model, prompt_ids, max_new_tokens, self.eos_token_ids)

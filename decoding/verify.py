@@ -1,0 +1,187 @@
+"""Tree verification on the base model's KV cache (METHODS.md §0 "Tree attention", §4.1 greedy).
+
+One base-model forward over a :class:`decoding.tree.DraftTree` (root = the last emitted token,
+at position P = the cache length) with the tree attention mask and ``P + depth`` position ids
+gives the target distribution at every node.  Greedy acceptance walks from the root while some
+child's token equals the argmax at the current node; the argmax at the last accepted node is the
+bonus token.  The cache then keeps only the root and the accepted path (index-select along the
+sequence axis of every layer), so it equals the cache sequential decoding would hold.
+
+The base model is any HF causal LM whose forward takes ``cache=`` (transformers 5), a ready
+4-D additive ``attention_mask`` and ``position_ids``, and whose ``hidden_states[-1]`` is the final
+post-norm hidden state (docs/design.md "Hidden-state convention").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoding.tree import DraftTree
+
+
+def new_cache(base_model):
+    """An empty ``transformers.DynamicCache`` for ``base_model``."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=base_model.config)
+
+
+def model_device(base_model) -> torch.device:
+    return next(base_model.parameters()).device
+
+
+@torch.no_grad()
+def base_forward(base_model, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One cached base forward of a single sequence.
+
+    Args:
+        input_ids: LongTensor [n] or [1, n].
+        cache: the ``DynamicCache``; grows by n positions.
+        position_ids: LongTensor [1, n] or None (consecutive after the cache).
+        attention_mask: None (causal) or a ready 4-D additive mask [1, 1, n, P+n].
+
+    Returns:
+        ``(logits [n, V], hidden [n, H])`` where hidden is the final post-norm hs[-1], both in
+        the model's dtype.
+    """
+    ids = input_ids.reshape(1, -1).to(model_device(base_model))
+    out = base_model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                     use_cache=True, output_hidden_states=True)
+    return out.logits[0], out.hidden_states[-1][0]
+
+
+@torch.no_grad()
+def prefill(base_model, prompt_ids: torch.Tensor):
+    """Run the prompt through the base model.
+
+    Args:
+        prompt_ids: LongTensor [T] (T >= 1).
+
+    Returns:
+        ``(cache, first_token, hidden)``: the ``DynamicCache`` holding T positions, the greedy
+        next token (int), and hs[-1] at every prompt position, Tensor [T, H].
+
+    Raises:
+        ValueError: the prompt is empty.
+    """
+    prompt_ids = prompt_ids.reshape(-1)
+    if prompt_ids.numel() == 0:
+        raise ValueError("empty prompt: need at least one token")
+    cache = new_cache(base_model)
+    logits, hidden = base_forward(base_model, prompt_ids, cache)
+    return cache, int(logits[-1].argmax()), hidden
+
+
+def keep_cache_positions(cache, past_length: int, keep: torch.Tensor) -> None:
+    """Keep cache positions ``[0, P)`` plus ``P + keep`` (in that order) in every layer; drop the rest.
+
+    Args:
+        cache: a ``DynamicCache`` whose layers hold keys/values [B, heads, S, head_dim].
+        past_length: P, the cache length before the tree was appended.
+        keep: LongTensor [K] of tree-node indices (e.g. the root and the accepted path).
+
+    Raises:
+        TypeError: a layer is not a plain (non-sliding) ``DynamicLayer``.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    keep = keep.reshape(-1).long()
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            raise TypeError(f"cache layer {i} is {type(layer).__name__}; tree verification needs DynamicLayer")
+        if not layer.is_initialized:
+            continue
+        s = layer.keys.shape[-2]
+        n = s - past_length
+        if keep.numel() == n and bool((keep == torch.arange(n)).all()):
+            continue  # already contiguous
+        idx = torch.cat([torch.arange(past_length), past_length + keep]).to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, idx)
+        layer.values = layer.values.index_select(-2, idx)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Crop every layer of ``cache`` to its first ``length`` positions."""
+    cur = cache.get_seq_length()
+    if length < cur:
+        cache.crop(length - cur)
+
+
+@dataclass
+class VerifyResult:
+    """What one verification step produced.
+
+    Attributes:
+        accepted_nodes: node indices root first, then the accepted path (length A+1).
+        tokens: LongTensor [A+1] — the root and the accepted draft tokens (now in the cache).
+        bonus: the argmax at the last accepted node (the next root), int.
+        hidden: Tensor [A+1, H] — hs[-1] (final post-norm) at the accepted nodes; ``hidden[j]``
+            predicts the token after ``tokens[j]``.
+        logits: Tensor [N, V] — the base logits at every node of the tree.
+        num_accepted: A, the accepted draft tokens (excluding root and bonus).
+    """
+
+    accepted_nodes: list[int]
+    tokens: torch.Tensor
+    bonus: int
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_nodes) - 1
+
+
+def greedy_accept(tree: DraftTree, predictions: list[int]) -> list[int]:
+    """METHODS.md §4.1: from the root, move to the child whose token equals the argmax.
+
+    Args:
+        tree: the draft tree.
+        predictions: argmax token at every node, list[int] of length N.
+
+    Returns:
+        Node indices root first, then the accepted path.  Siblings hold distinct tokens in a
+        canonical tree; if not, the first matching child (canonical order) is taken.
+    """
+    toks = tree.tokens.tolist()
+    path = [0]
+    node = 0
+    while True:
+        target = predictions[node]
+        nxt = next((c for c in tree.children(node) if toks[c] == target), None)
+        if nxt is None:
+            return path
+        path.append(nxt)
+        node = nxt
+
+
+@torch.no_grad()
+def verify_tree(base_model, cache, tree: DraftTree) -> VerifyResult:
+    """Verify ``tree`` with one base forward and keep only the accepted path in ``cache``.
+
+    Args:
+        base_model: the frozen HF causal LM.
+        cache: its ``DynamicCache`` with P positions (everything before the root).
+        tree: the draft tree; ``tree.tokens[0]`` is the last emitted token.
+
+    Returns:
+        A :class:`VerifyResult`.  Afterwards the cache holds P + A + 1 positions.
+    """
+    device = model_device(base_model)
+    past = cache.get_seq_length()
+    mask = tree.attention_mask(past, dtype=base_model.dtype, device=device)
+    pos = tree.position_ids(past, device=device)
+    logits, hidden = base_forward(base_model, tree.tokens, cache, position_ids=pos, attention_mask=mask)
+    preds = logits.argmax(-1).tolist()
+    accepted = greedy_accept(tree, preds)
+    idx = torch.tensor(accepted, dtype=torch.long)
+    keep_cache_positions(cache, past, idx)
+    return VerifyResult(
+        accepted_nodes=accepted,
+        tokens=tree.tokens[idx],
+        bonus=int(preds[accepted[-1]]),
+        hidden=hidden.index_select(0, idx.to(hidden.device)),
+        logits=logits,
+    )

@@ -1,0 +1,135 @@
+"""Evaluation prompts: held-out ShareGPT first turns, or any JSONL file of prompts.
+
+Every prompt becomes chat messages ending in a user turn and is templated with the tokenizer's
+chat template plus the generation prompt (``add_generation_prompt=True``), so the model answers
+as the assistant, exactly as at data-prep time.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+AUTO_FIELDS = ("turns", "prompt", "instruction", "question", "text", "messages")
+ID_FIELDS = ("question_id", "id", "prompt_id", "conversation_id")
+
+
+class PromptError(ValueError):
+    """A prompt file or record is unusable; the message names the file and line."""
+
+
+@dataclass
+class Prompt:
+    """One templated prompt: ``id`` (str), ``messages`` (chat messages), ``input_ids`` LongTensor [T]."""
+
+    id: str
+    messages: list[dict[str, str]]
+    input_ids: torch.Tensor
+
+
+def _messages_from_record(rec: Any, field: str | None, where: str) -> list[dict[str, str]]:
+    if not isinstance(rec, dict):
+        raise PromptError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    keys = [field] if field else [k for k in AUTO_FIELDS if k in rec]
+    if not keys or keys[0] not in rec:
+        raise PromptError(f"{where}: no prompt field (looked for {field or ', '.join(AUTO_FIELDS)}; "
+                          f"record keys: {', '.join(map(str, rec))})")
+    key = keys[0]
+    value = rec[key]
+    if key == "messages" or (isinstance(value, list) and value and isinstance(value[0], dict)):
+        msgs = []
+        for m in value:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
+                raise PromptError(f"{where}: field {key!r} must be a list of {{role, content}} messages")
+            msgs.append({"role": str(m["role"]), "content": m["content"]})
+            if m["role"] == "user":
+                return msgs  # up to and including the first user turn
+        raise PromptError(f"{where}: field {key!r} holds no user message")
+    if isinstance(value, list):  # MT-bench style: the first turn
+        if not value or not isinstance(value[0], str):
+            raise PromptError(f"{where}: field {key!r} must be a non-empty list of strings")
+        value = value[0]
+    if not isinstance(value, str) or not value.strip():
+        raise PromptError(f"{where}: field {key!r} must be a non-empty string")
+    return [{"role": "user", "content": value}]
+
+
+def read_jsonl_prompts(path: str | Path, field: str | None = None, limit: int | None = None
+                       ) -> list[tuple[str, list[dict[str, str]]]]:
+    """Read ``(id, messages)`` from a JSONL file (one JSON object per non-blank line).
+
+    The id is the first of ``question_id`` / ``id`` / ``prompt_id`` / ``conversation_id``, else
+    ``line<N>``.  The prompt is ``field`` (or the first of :data:`AUTO_FIELDS` present): a string,
+    a list of strings (the first is taken: MT-bench ``turns``), or a list of chat messages (up to
+    the first user message).
+
+    Raises:
+        PromptError: the file is missing or a line is not valid / has no prompt (names the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PromptError(f"eval.prompts={str(path)!r}: file not found")
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptError(f"{where}: invalid JSON ({exc.msg})") from None
+            pid = next((str(rec[k]) for k in ID_FIELDS if isinstance(rec, dict) and k in rec), f"line{lineno}")
+            out.append((pid, _messages_from_record(rec, field, where)))
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise PromptError(f"{path}: no prompts")
+    return out
+
+
+def template(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
+    """Chat-template ``messages`` with the generation prompt: LongTensor [T]."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True)
+    return torch.tensor(list(ids), dtype=torch.long)
+
+
+def load_prompts(eval_cfg, data_cfg, tokenizer) -> tuple[list[Prompt], list[dict[str, Any]]]:
+    """The evaluation prompts, templated.
+
+    Args:
+        eval_cfg: the ``eval`` section (``prompts``, ``prompt_field``, ``num_prompts``,
+            ``max_prompt_tokens``).
+        data_cfg: the ``data`` section (ShareGPT path and held-out split) used when
+            ``eval.prompts`` is null.
+        tokenizer: the base tokenizer (with a chat template).
+
+    Returns:
+        ``(prompts, skipped)``; ``skipped`` lists ``{"id", "prompt_tokens", "reason"}`` for
+        prompts longer than ``max_prompt_tokens``.
+    """
+    limit = eval_cfg.get("num_prompts")
+    if eval_cfg.get("prompts"):
+        raw = read_jsonl_prompts(eval_cfg.prompts, eval_cfg.get("prompt_field"))
+        source = str(eval_cfg.prompts)
+    else:
+        from data_prep.pipeline import heldout_prompts
+
+        raw = heldout_prompts(data_cfg)
+        source = "sharegpt-heldout"
+    max_len = eval_cfg.get("max_prompt_tokens")
+    prompts, skipped = [], []
+    for pid, messages in raw:
+        ids = template(tokenizer, messages)
+        if max_len is not None and ids.numel() > int(max_len):
+            skipped.append({"id": pid, "prompt_tokens": int(ids.numel()), "reason": "longer than eval.max_prompt_tokens"})
+            continue
+        prompts.append(Prompt(pid, messages, ids))
+        if limit is not None and len(prompts) >= int(limit):
+            break
+    if not prompts:
+        raise PromptError(f"no usable prompts from {source}")
+    return prompts, skipped

@@ -1,0 +1,168 @@
+"""`python -m evaluation` on the tiny model: reports, parity failure exit, prompt sources, heads."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from core.config import compose
+from decoding.vanilla import VanillaDecoder
+from evaluation.__main__ import main, rewrite_argv
+from evaluation.prompts import PromptError, read_jsonl_prompts
+from evaluation.runner import ParityError, run_evaluation
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [
+        {"question_id": 81, "turns": ["Write a short poem about the sea.", "second turn is ignored"]},
+        {"id": "p2", "prompt": "def add(a, b):"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"},
+                      {"role": "assistant", "content": "ignored"}]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    return path
+
+
+def _argv(tiny_model_dir, tmp_path, *extra):
+    return [f"model.path={tiny_model_dir}", "model.attn_implementation=eager", f"eval.output_dir={tmp_path / 'out'}",
+            "eval.max_new_tokens=12", "eval.warmup=0", *extra]
+
+
+def test_read_jsonl_prompts_fields(prompts_file):
+    got = read_jsonl_prompts(prompts_file)
+    assert [g[0] for g in got] == ["81", "p2", "line3"]
+    assert got[0][1] == [{"role": "user", "content": "Write a short poem about the sea."}]
+    assert got[1][1] == [{"role": "user", "content": "def add(a, b):"}]
+    assert got[2][1][-1] == {"role": "user", "content": "Hello!"} and len(got[2][1]) == 2
+    assert len(read_jsonl_prompts(prompts_file, limit=2)) == 2
+
+
+def test_bad_prompt_files_name_the_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{not json}\n')
+    with pytest.raises(PromptError, match=r"bad.jsonl:2: invalid JSON"):
+        read_jsonl_prompts(bad)
+    bad.write_text('{"turns": ["ok"]}\n{"answer": "x"}\n')
+    with pytest.raises(PromptError, match=r"bad.jsonl:2: no prompt field.*answer"):
+        read_jsonl_prompts(bad)
+    with pytest.raises(PromptError, match="not found"):
+        read_jsonl_prompts(tmp_path / "missing.jsonl")
+
+
+def test_cli_oracle_report(tiny_model_dir, tmp_path, prompts_file, capsys):
+    assert rewrite_argv(["checkpoint=x", "heads=ctc"]) == ["eval.checkpoint=x", "heads=ctc"]
+    rc = main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", f"eval.prompts={prompts_file}",
+                    "eval.reference_depth=3", "eval.reference_width=2"))
+    assert rc == 0
+    out = tmp_path / "out"
+    assert {p.name for p in out.iterdir()} >= {"report.json", "acceptance.png", "config.yaml"}
+    assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    assert "checkpoint: oracle" in (out / "config.yaml").read_text()
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["parity"] == {"matched": 3, "total": 3, "mismatched_ids": []}
+    assert [p["id"] for p in rep["per_prompt"]] == ["81", "p2", "line3"]
+    for p in rep["per_prompt"]:
+        assert p["match"] and p["method_tokens"] == p["vanilla_tokens"]
+    m = rep["method"]
+    steps, tokens = m["steps"], m["tokens"]
+    # every step but a prompt's last accepts the whole depth-3 chain; τ = emitted / steps
+    assert rep["tau"] == pytest.approx((tokens - 3) / steps)
+    assert rep["tau"] > 3.0
+    assert rep["acceptance_per_depth"] == [1.0, 1.0, 1.0]
+    assert rep["base_forwards_per_token"]["vanilla"] == 1.0
+    assert rep["base_forwards_per_token"]["method"] == pytest.approx((steps + 3) / tokens)
+    assert rep["drafter_passes_per_step"] == 3.0
+    assert "bonus token included" in rep["tau_convention"]
+    assert "parity: 3/3" in capsys.readouterr().out
+
+
+def test_random_drafter_tau_near_one(tiny_model_dir, tmp_path, prompts_file):
+    cfg = compose(rewrite_argv(_argv(tiny_model_dir, tmp_path, "checkpoint=random", f"eval.prompts={prompts_file}",
+                                     "eval.num_prompts=2")))
+    rep = run_evaluation(cfg)
+    assert rep["parity"]["matched"] == 2 and rep["num_prompts"] == 2
+    assert rep["tau"] < 1.2
+
+
+class _CorruptOne(VanillaDecoder):
+    """A Decoder that changes one prompt's last token: parity must fail naming that prompt."""
+
+    def __init__(self, base_model, bad_len):
+        super().__init__(base_model)
+        self.bad_len = bad_len
+
+    def generate(self, prompt_ids, max_new_tokens):
+        toks, stats = super().generate(prompt_ids, max_new_tokens)
+        if prompt_ids.numel() == self.bad_len:
+            toks = toks[:-1] + [(toks[-1] + 1) % 300]
+        return toks, stats
+
+
+def test_parity_failure_names_prompt_and_exits_nonzero(tiny_base, tiny_model_dir, tmp_path, prompts_file, monkeypatch):
+    from evaluation import runner
+    from evaluation.prompts import load_prompts
+
+    cfg = compose(rewrite_argv(_argv(tiny_model_dir, tmp_path, f"eval.prompts={prompts_file}")))
+    prompts, _ = load_prompts(cfg.eval, cfg.data, tiny_base[1])
+    bad = _CorruptOne(tiny_base[0], prompts[1].input_ids.numel())
+    with pytest.raises(ParityError, match="ids p2"):
+        run_evaluation(cfg, base=tiny_base, decoder=bad)
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["parity"]["mismatched_ids"] == ["p2"] and rep["parity"]["matched"] == 2
+    row = rep["per_prompt"][1]
+    assert row["first_mismatch"] == row["vanilla_tokens"] - 1 and row["method_output"] != row["vanilla_output"]
+    # the CLI turns it into exit status 1
+    monkeypatch.setattr(runner, "build_decoder", lambda cfg, model, eos, dev: (_CorruptOne(model, bad.bad_len), {
+        "checkpoint": "x", "head_type": "custom", "decoder": "_CorruptOne"}))
+    assert main(_argv(tiny_model_dir, tmp_path, "checkpoint=x", f"eval.prompts={prompts_file}")) == 1
+
+
+def test_non_tree_decoder_and_sharegpt_heldout_prompts(tiny_base, tiny_model_dir, tmp_path):
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question number {i}?"},
+                                               {"from": "gpt", "value": "Answer."}]} for i in range(40)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(convs))
+    cfg = compose(rewrite_argv(_argv(tiny_model_dir, tmp_path, f"data.path={data}", "data.heldout_fraction=0.2",
+                                     "eval.num_prompts=3")))
+    rep = run_evaluation(cfg, base=tiny_base, decoder=VanillaDecoder(tiny_base[0]))
+    from data_prep.split import is_heldout
+
+    want = [c["id"] for c in convs if is_heldout(c["id"], 0.2, str(cfg.data.split_salt))][:3]
+    assert [p["id"] for p in rep["per_prompt"]] == want and len(want) == 3
+    assert rep["parity"]["matched"] == 3 and rep["tau"] is None and rep["acceptance_per_depth"] is None
+    assert rep["base_forwards_per_token"]["method"] == rep["base_forwards_per_token"]["vanilla"] == 1.0
+
+
+def test_missing_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path, prompts_file, capsys):
+    assert main(_argv(tiny_model_dir, tmp_path, f"eval.prompts={prompts_file}")) == 2
+    assert "eval.checkpoint is required" in capsys.readouterr().err
+    assert main(_argv(tiny_model_dir, tmp_path, f"checkpoint={tmp_path / 'nope'}", f"eval.prompts={prompts_file}")) == 2
+
+
+@pytest.mark.parametrize("head,overrides", [
+    ("ctc", []), ("falcon", []), ("falcon_k1", []), ("adadecode", ["heads.layers=[1,2]"]),
+])
+def test_untrained_registered_heads_keep_parity(tiny_base, tiny_model_dir, tmp_path, prompts_file, head, overrides):
+    """End to end through heads.save / heads.load / make_drafter: every shipped head is lossless."""
+    import heads
+
+    cfg = compose(rewrite_argv(_argv(tiny_model_dir, tmp_path, f"heads={head}", *overrides,
+                                     f"checkpoint={tmp_path / 'ckpt'}", f"eval.prompts={prompts_file}",
+                                     "eval.num_prompts=2")))
+    torch.manual_seed(0)
+    built = heads.build(cfg.heads, tiny_base[0])
+    heads.save(built, tmp_path / "ckpt", tiny_base[2].to_dict())
+    rep = run_evaluation(cfg, base=tiny_base)
+    assert rep["parity"] == {"matched": 2, "total": 2, "mismatched_ids": []}
+    assert rep["head_type"] == cfg.heads.type
