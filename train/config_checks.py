@@ -1,0 +1,109 @@
+"""Value checks of the ``train`` config section (registered with :func:`core.config.register_validator`).
+
+Each check raises :class:`core.config.ConfigError` naming the offending key and the valid values.
+"""
+from __future__ import annotations
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from core.config import ConfigError, check_choice, check_range, register_validator
+
+LOGGERS = ("wandb", "csv", "none")
+SCHEDULES = ("linear", "cosine", "constant")
+CLIP_ALGORITHMS = ("value", "norm")
+PRECISIONS = ("auto", "32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(cfg: DictConfig, key: str, lo: int | None = None, nullable: bool = False) -> None:
+    value = OmegaConf.select(cfg, key, default=None)
+    if value is None and nullable:
+        return
+    if not _is_int(value) or (lo is not None and value < lo):
+        raise ConfigError(f"{key}={value!r} must be an integer" + (f" >= {lo}" if lo is not None else "")
+                          + (" or null" if nullable else ""))
+
+
+@register_validator
+def check_train(cfg: DictConfig) -> None:
+    """Validate ``cfg.train`` (no-op when the section is absent)."""
+    if "train" not in cfg or cfg.train is None:
+        return
+    _check_int(cfg, "train.max_steps", -1)
+    _check_int(cfg, "train.max_epochs", -1)
+    if cfg.train.max_steps in (0,) or cfg.train.max_epochs == 0:
+        raise ConfigError("train.max_steps / train.max_epochs must not be 0 (use -1 for 'no limit')")
+    if cfg.train.max_steps == -1 and cfg.train.max_epochs == -1:
+        raise ConfigError("train.max_steps and train.max_epochs are both -1: set at least one budget")
+    _check_int(cfg, "train.batch_size", 1, nullable=True)
+    _check_int(cfg, "train.max_tokens", 1, nullable=True)
+    if cfg.train.batch_size is None and cfg.train.max_tokens is None:
+        raise ConfigError("train.batch_size and train.max_tokens are both null: set at least one")
+    _check_int(cfg, "train.bucket_size", 1)
+    _check_int(cfg, "train.num_workers", 0)
+    _check_int(cfg, "train.accumulate_grad_batches", 1)
+    _check_int(cfg, "train.val_every_n_steps", 1)
+    _check_int(cfg, "train.limit_val_batches", 1, nullable=True)
+    _check_int(cfg, "train.sanity_val_steps", 0)
+    _check_int(cfg, "train.num_nodes", 1)
+    _check_int(cfg, "train.log_every_n_steps", 1)
+    _check_int(cfg, "train.save_top_k", 1)
+    if not isinstance(cfg.train.shuffle, bool):
+        raise ConfigError(f"train.shuffle={cfg.train.shuffle!r} must be true or false")
+    check_range(cfg, "train.optimizer.lr", 0.0)
+    if not cfg.train.optimizer.lr > 0:
+        raise ConfigError(f"train.optimizer.lr={cfg.train.optimizer.lr!r} must be > 0")
+    betas = cfg.train.optimizer.betas
+    if (not isinstance(betas, (ListConfig, list)) or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+        raise ConfigError(f"train.optimizer.betas={betas!r} must be two numbers in [0, 1)")
+    check_range(cfg, "train.optimizer.eps", 0.0)
+    check_range(cfg, "train.optimizer.weight_decay", 0.0)
+    check_choice(cfg, "train.scheduler.name", SCHEDULES)
+    _check_int(cfg, "train.scheduler.warmup_steps", 0)
+    check_range(cfg, "train.scheduler.min_lr_ratio", 0.0, 1.0)
+    if cfg.train.grad_clip.value is not None:
+        check_range(cfg, "train.grad_clip.value", 0.0)
+    check_choice(cfg, "train.grad_clip.algorithm", CLIP_ALGORITHMS)
+    check_choice(cfg, "train.precision", PRECISIONS)
+    check_choice(cfg, "train.accelerator", ("auto", "cpu", "gpu", "cuda"))
+    devices = cfg.train.devices
+    if not (devices == "auto" or _is_int(devices) and (devices >= 1 or devices == -1)
+            or isinstance(devices, (ListConfig, list)) and all(_is_int(d) for d in devices)):
+        raise ConfigError(f"train.devices={devices!r} must be auto, a positive integer, -1 or a list of device ids")
+    check_choice(cfg, "train.logger", LOGGERS)
+    if not isinstance(cfg.train.wandb_project, str) or not cfg.train.wandb_project:
+        raise ConfigError(f"train.wandb_project={cfg.train.wandb_project!r} must be a non-empty string")
+    run_name = cfg.train.run_name
+    if run_name is not None and (not isinstance(run_name, str) or not run_name or "/" in run_name
+                                 or run_name in (".", "..")):
+        raise ConfigError(f"train.run_name={run_name!r} must be null or a plain directory name (no '/')")
+    if not isinstance(cfg.train.progress_bar, bool):
+        raise ConfigError(f"train.progress_bar={cfg.train.progress_bar!r} must be true or false")
+
+
+STRATEGIES = ("auto", "ddp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
+
+
+@register_validator
+def check_strategy_and_resume(cfg: DictConfig) -> None:
+    """Validate ``cfg.strategy`` (train/strategies.py) and the top-level ``resume``."""
+    if "strategy" in cfg and cfg.strategy is not None and "name" in cfg.strategy:
+        s = cfg.strategy
+        check_choice(cfg, "strategy.name", STRATEGIES)
+        zero = str(s.name).startswith("deepspeed")
+        if zero and s.get("zero_stage") not in (1, 2, 3):
+            raise ConfigError(f"strategy.zero_stage={s.get('zero_stage')!r} must be 1, 2 or 3 for strategy.name={s.name}")
+        if not zero and s.get("zero_stage") is not None:
+            raise ConfigError(f"strategy.zero_stage={s.zero_stage!r} needs a deepspeed_zero* strategy (got {s.name})")
+        if not zero and s.get("offload_optimizer"):
+            raise ConfigError(f"strategy.offload_optimizer=true needs a deepspeed_zero* strategy (got {s.name})")
+        check_choice(cfg, "strategy.process_group_backend", ("auto", "nccl", "gloo", "mpi"))
+        check_range(cfg, "strategy.timeout_minutes", 0.1)
+        _check_int(cfg, "strategy.bucket_size", 1)
+    resume = cfg.get("resume")
+    if resume is not None and not isinstance(resume, str):
+        raise ConfigError(f"resume={resume!r} must be null, auto, or a checkpoint file / run directory path")

@@ -1,0 +1,247 @@
+"""One training run: run directory, Trainer (loggers, checkpointing, precision, strategy), export.
+
+``python -m train heads=<name> [key=value ...]`` calls :func:`main`; tests and the distributed
+launchers call :func:`train` with an already composed config (and optionally a loaded base model).
+
+Run directory ``<output_root>/runs/<head type>/<train.run_name or UTC timestamp>/``::
+
+    config.yaml               resolved config
+    checkpoints/*.ckpt        Lightning resume checkpoints (safetensors, train.checkpoint_io)
+    csv/metrics.csv           CSVLogger metrics (train/loss, val/loss, val/sim_tau, tokens/s...)
+    wandb/                    WandbLogger files (offline unless an API key is configured)
+    best/, last/              exported heads: model.safetensors + config.json (heads.save)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from omegaconf import DictConfig
+
+import heads
+from core.config import save_config, to_container
+from train.checkpoint_io import SafetensorsCheckpointIO
+from train.data import CacheDataModule
+from train.module import DraftHeadModule, head_monitor
+
+
+def run_dir_for(cfg: DictConfig) -> Path:
+    """``<output_root>/runs/<heads.type>/<train.run_name or UTC timestamp YYYYmmdd-HHMMSS>``."""
+    name = cfg.train.run_name or time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return Path(cfg.output_root) / "runs" / str(cfg.heads.type) / name
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
+    """Lightning loggers for ``train.logger``: ``csv`` -> CSVLogger; ``wandb`` -> CSVLogger + WandbLogger
+    (offline, ``WANDB_MODE=offline``, unless ``WANDB_API_KEY`` is set or ``WANDB_MODE`` says otherwise);
+    ``none`` -> no logger.  (:func:`train` logs the resolved config as hyperparameters.)"""
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    kind = str(cfg.train.logger)
+    if kind == "none":
+        return []
+    loggers: list = [CSVLogger(save_dir=str(run_dir), name="csv", version="")]
+    if kind == "wandb":
+        if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+            os.environ["WANDB_MODE"] = "offline"
+        offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled")
+        loggers.append(WandbLogger(project=str(cfg.train.wandb_project), name=run_dir.name, save_dir=str(run_dir),
+                                   offline=offline, group=str(cfg.heads.type)))
+    return loggers
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None) -> tuple[pl.Trainer, Any]:
+    """The Trainer for ``cfg.train`` and its :class:`~lightning.pytorch.callbacks.ModelCheckpoint`.
+
+    The checkpoint monitors the head class's ``monitor_metric`` / ``monitor_mode`` (``val/sim_tau``
+    max by default, ``val/loss`` min for heads without a simulated τ); checkpoints go through
+    :class:`~train.checkpoint_io.SafetensorsCheckpointIO` (no pickle, atomic).
+    Validation runs every ``train.val_every_n_steps`` optimizer steps, on every rank's shard.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    t = cfg.train
+    if int(t.max_steps) > 0 and int(t.max_steps) % int(t.val_every_n_steps):
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"train.max_steps={t.max_steps} is not a multiple of train.val_every_n_steps="
+                       f"{t.val_every_n_steps}: the last {int(t.max_steps) % int(t.val_every_n_steps)} steps are "
+                       "never validated, so best/ cannot be the final weights (last/ always is)")
+    monitor, mode = head_monitor(heads.registry.head_class(str(cfg.heads.type)))
+    ckpt = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), monitor=monitor, mode=mode,
+                           save_top_k=int(t.save_top_k), save_last=True, filename="step{step:07d}",
+                           auto_insert_metric_name=False)
+    from train.resume import DataPosition
+    from train.strategies import DistributedInfo, trainer_kwargs
+
+    cbs = [ckpt, DataPosition(), DistributedInfo(), *(callbacks or [])]
+    loggers = build_loggers(cfg, run_dir)
+    accumulate = int(t.accumulate_grad_batches)
+    trainer = pl.Trainer(
+        default_root_dir=str(run_dir),
+        # accelerator, devices (auto: Slurm / torchrun / GPUs), num_nodes, strategy, precision and
+        # gradient clipping (ZeRO clips by value itself): train.strategies.trainer_kwargs
+        **trainer_kwargs(cfg),
+        max_steps=int(t.max_steps),
+        max_epochs=int(t.max_epochs),
+        accumulate_grad_batches=accumulate,
+        val_check_interval=int(t.val_every_n_steps) * accumulate,
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.limit_val_batches if t.limit_val_batches is not None else 1.0,
+        num_sanity_val_steps=int(t.sanity_val_steps),
+        log_every_n_steps=int(t.log_every_n_steps),
+        logger=loggers if loggers else False,
+        callbacks=cbs,
+        plugins=[SafetensorsCheckpointIO()],
+        enable_progress_bar=bool(t.progress_bar),
+        enable_model_summary=True,
+        use_distributed_sampler=False,  # train.data.ShardedBatchSampler is rank-aware itself
+        deterministic=False,
+    )
+    return trainer, ckpt
+
+
+def export_head(head, directory: Path, identity: dict[str, Any], extra: dict[str, Any]) -> Path:
+    """``heads.save`` into a temporary sibling directory, then swap it in for ``directory``.
+
+    A crash leaves either the previous export or the new one under ``directory``, never a mix.
+    """
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    old = None
+    try:
+        heads.save(head, tmp, identity, extra=extra)
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        if old is not None and old.exists():
+            shutil.rmtree(old)
+    return directory
+
+
+def _head_state(module: DraftHeadModule, checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    prefix = "head."
+    state = checkpoint["state_dict"]
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def export_checkpoints(trainer: pl.Trainer, module: DraftHeadModule, ckpt_cb, run_dir: Path,
+                       identity: dict[str, Any], head=None) -> dict[str, Path]:
+    """Export ``<run_dir>/last`` (the final weights) and ``<run_dir>/best`` (the best monitored checkpoint).
+
+    Only global rank 0 writes.  ``best`` falls back to the final weights when no validation ran.
+    Returns the written directories by name.
+    """
+    if not trainer.is_global_zero:
+        return {}
+    head = module.head if head is None else head  # ZeRO: train.strategies.consolidated_head
+    out: dict[str, Path] = {}
+    common = {"global_step": int(trainer.global_step), "epoch": int(trainer.current_epoch),
+              "monitor": module.monitor[0], "mode": module.monitor[1], "run_dir": str(run_dir)}
+    out["last"] = export_head(head, run_dir / "last", identity, {**common, "checkpoint": "last"})
+    best_path = ckpt_cb.best_model_path
+    if best_path and Path(best_path).is_file():
+        checkpoint = SafetensorsCheckpointIO().load_checkpoint(best_path)
+        final = {k: v.detach().clone() for k, v in head.state_dict().items()}
+        head.load_state_dict(_head_state(module, checkpoint), strict=True)
+        score = ckpt_cb.best_model_score
+        extra = {**common, "checkpoint": "best", "source": str(best_path),
+                 "global_step": int(checkpoint.get("global_step", -1)), "epoch": int(checkpoint.get("epoch", -1)),
+                 "score": float(score) if score is not None else None}
+        out["best"] = export_head(head, run_dir / "best", identity, extra)
+        head.load_state_dict(final, strict=True)
+    else:
+        out["best"] = export_head(head, run_dir / "best", identity, {**common, "checkpoint": "last-no-validation"})
+    return out
+
+
+def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModule | None = None,
+          callbacks: list | None = None, ckpt_path: str | None = None) -> dict[str, Any]:
+    """Train ``cfg.heads`` on the cache and export ``best/`` and ``last/``.
+
+    Args:
+        cfg: composed config (``core.config.compose``).
+        base: ``(model, tokenizer, identity)`` from ``core.base_model.load_base_model``; loaded
+            from ``cfg.model`` when None.
+        datamodule: overrides the cache data module (tests); default reads
+            ``train.cache_dir`` or ``data_prep.cache.default_cache_dir(cfg)``.
+        callbacks: extra Lightning callbacks.
+        ckpt_path: a Lightning checkpoint to resume from (written by this module's CheckpointIO).
+
+    Returns:
+        ``{"run_dir", "trainer", "module", "checkpoint_callback", "exports"}``.
+
+    Raises:
+        FileNotFoundError: the cache (or one of its splits) does not exist.
+        ValueError: the cache was made with a different base model (vocab / hidden size).
+    """
+    pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    if base is None:
+        from core.base_model import load_base_model
+
+        base = load_base_model(cfg.model)
+    model, tokenizer, identity = base
+    identity_dict = identity.to_dict() if hasattr(identity, "to_dict") else dict(identity)
+    if datamodule is None:
+        datamodule = _cache_datamodule(cfg, tokenizer, identity_dict)
+    from train.resume import resolve_resume
+    from train.strategies import consolidated_head
+
+    resume_path, resume_dir = resolve_resume(cfg, run_dir_for)  # resume=auto|<path>
+    ckpt_path = ckpt_path or (str(resume_path) if resume_path else None)
+    run_dir = resume_dir or run_dir_for(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir)
+    module = DraftHeadModule(cfg.heads, cfg.train, base_model=model)
+    trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks)
+    for lg in trainer.loggers:  # rank-zero-only inside Lightning's loggers
+        lg.log_hyperparams({**to_container(cfg), "world_size": trainer.world_size})
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    head = consolidated_head(trainer, module)  # collective under ZeRO (gathers fp32 masters)
+    exports = export_checkpoints(trainer, module, ckpt_cb, run_dir, identity_dict, head=head)
+    return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
+            "exports": exports}
+
+
+def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> CacheDataModule:
+    from data_prep.cache import default_cache_dir
+
+    from train.data import open_split
+
+    cache_dir = Path(cfg.train.cache_dir) if cfg.train.cache_dir else default_cache_dir(cfg)
+    readers = {split: open_split(cache_dir, split) for split in ("train", "val")}
+    for split, reader in readers.items():
+        base = reader.manifest.get("base") or {}
+        for key in ("vocab_size", "hidden_size"):
+            if key in base and key in identity and int(base[key]) != int(identity[key]):
+                raise ValueError(f"cache {cache_dir / split} was made with {key}={base[key]}, "
+                                 f"the base model has {identity[key]} (model.path={cfg.model.path!r})")
+    pad_id = readers["train"].pad_id if hasattr(readers["train"], "pad_id") else (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    t = cfg.train
+    return CacheDataModule(cache_dir, pad_id, batch_size=t.batch_size, max_tokens=t.max_tokens, seed=int(cfg.seed),
+                           shuffle=bool(t.shuffle), bucket_size=int(t.bucket_size), num_workers=int(t.num_workers),
+                           train_reader=readers["train"], val_reader=readers["val"])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """CLI entry: compose the config from ``argv`` (or ``sys.argv``), train, print the exports."""
+    from core.config import cli
+
+    cfg = cli(argv)
+    result = train(cfg)
+    if result["exports"]:
+        for name, path in result["exports"].items():
+            print(f"{name}: {path}")
+    return result
