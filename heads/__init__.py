@@ -6,3 +6,30 @@ checkpoint directory (``model.safetensors`` + ``config.json``, no pickle).
 """
 from heads.registry import HEADS, build, load, register, save  # noqa: F401
 from heads.base import DraftHead, Progress  # noqa: F401
+
+
+def _register_config_checks() -> None:
+    from core.config import ConfigError, register_validator
+
+    @register_validator
+    def _heads_checks(cfg) -> None:
+        """``heads.type`` names a registered head; its class's ``check_config(dict)`` (if any) passes."""
+        if "heads" not in cfg or cfg.heads.get("type") is None:
+            return
+        from omegaconf import OmegaConf
+
+        from heads.registry import head_class
+
+        try:
+            cls = head_class(str(cfg.heads.type))
+        except KeyError as exc:
+            raise ConfigError(f"heads.type: {exc.args[0]}") from None
+        check = getattr(cls, "check_config", None)
+        if check is not None:
+            try:
+                check(OmegaConf.to_container(cfg.heads, resolve=True))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+
+
+_register_config_checks()

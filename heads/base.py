@@ -52,6 +52,10 @@ class DraftHead(nn.Module):
     """
 
     head_type: ClassVar[str] = ""
+    #: validation metric (a key of :meth:`validation_metrics`) that selects the best checkpoint,
+    #: logged as ``val/<monitor_metric>``; heads without a simulated τ use ``"loss"`` / ``"min"``.
+    monitor_metric: ClassVar[str] = "sim_tau"
+    monitor_mode: ClassVar[str] = "max"  # "max" | "min"
 
     def __init__(self, cfg: dict[str, Any], base_config) -> None:
         super().__init__()
@@ -96,7 +100,14 @@ class DraftHead(nn.Module):
 
     @torch.no_grad()
     def validation_metrics(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Per-batch validation metrics as ``{name: (sum, count)}``-style tensors; see subclasses."""
+        """Per-batch validation metrics ``{name: Tensor[2]}`` holding ``(sum, count)``.
+
+        ``train.module.DraftHeadModule`` adds the pairs over every batch and rank and logs
+        ``val/<name> = Σ sum / Σ count`` (an exact mean over the held-out split; e.g. ``loss`` =
+        (Σ token losses, #tokens), ``sim_tau`` = (Σ τ over anchors, #anchors)).  A 0-d tensor is
+        accepted as one observation ``(value, 1)``, i.e. averaged over batches (inexact when
+        batches differ in size).  Drafters include ``loss`` and ``sim_tau``.
+        """
         raise NotImplementedError
 
     def make_drafter(self, base_model, **kwargs):

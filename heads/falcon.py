@@ -1,0 +1,349 @@
+"""Falcon: the semi-autoregressive (SAR) draft head (arXiv 2412.12639; METHODS.md §1).
+
+Slot t holds (f_t, x_{t+1}) and predicts the feature k steps ahead, f_{t+k}, hence the token
+x_{t+k+1} = argmax W f̂_t (alignment table METHODS §1.1).  Architecture (§1.2):
+
+    u_t = Fuse([Emb(x_{t+1}); f_t])                      (per position, no recurrence over time)
+    f̂  = LlamaDecoderLayer^D(u) with the relaxed block-causal mask (block size k)
+    logits = W f̂                                         (frozen LM head, no final norm)
+
+``Fuse`` is EAGLE's ``Linear(2H→H)`` (``fuse: linear``) or Falcon's two-layer LSTM run per
+position (``fuse: lstm``: [1, B·T, 2H] so every position is its own length-1 sequence, METHODS
+§1.2 Rec.).  The first decoder layer has no input RMSNorm (EAGLE), and there is no final norm.
+k = 1 without glancing is the EAGLE-1-style autoregressive drafter (the baseline).
+
+Training uses CSGD (§1.4, Rec. for B > 1) with the λ schedule of ``heads.glancing``; the loss is
+:func:`losses.falcon.falcon_loss`.  Decoding uses :class:`decoding.falcon.FalconDrafter`.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from heads.base import DraftHead, Progress
+from heads.registry import register
+from losses.falcon import falcon_loss, glancing_positions, glancing_ratio
+
+FUSE_TYPES = ("linear", "lstm")
+NOISE_TYPES = ("uniform", "length_scaled", "none")
+
+DEFAULTS: dict[str, Any] = {
+    "block_size": 2,
+    "num_layers": 2,
+    "fuse": "linear",
+    "lstm_layers": 2,
+    "lstm_dropout": 0.1,
+    "attn_implementation": "sdpa",
+    "noise": {"type": "uniform", "scale": 0.1},
+    "loss": {"alpha": 0.9, "omega": 0.1, "beta": 1.0},
+    "glancing": {"enabled": True, "schedule": "linear", "unit": "step", "scale": 0.4, "offset": 0.0},
+    "decoding": {"passes": 4, "tree": {"node_children": None, "depth_children": [4, 2, 2, 1], "paths": None}},
+}
+
+
+def _merge(defaults: dict, given: dict) -> dict:
+    out = copy.deepcopy(defaults)
+    for key, value in (given or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "tree":  # a tree is replaced whole
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def check_falcon_config(c: dict[str, Any]) -> None:
+    """Validate a (merged) Falcon ``heads`` section; raises ``ValueError`` naming the key."""
+    def bad(key, msg):
+        raise ValueError(f"heads.{key}: {msg}")
+
+    if not isinstance(c["block_size"], int) or c["block_size"] < 1:
+        bad("block_size", f"must be an int >= 1, got {c['block_size']!r}")
+    if not isinstance(c["num_layers"], int) or c["num_layers"] < 1:
+        bad("num_layers", f"must be an int >= 1, got {c['num_layers']!r}")
+    if c["fuse"] not in FUSE_TYPES:
+        bad("fuse", f"{c['fuse']!r}; choices: {', '.join(FUSE_TYPES)}")
+    if c["noise"]["type"] not in NOISE_TYPES:
+        bad("noise.type", f"{c['noise']['type']!r}; choices: {', '.join(NOISE_TYPES)}")
+    if not 0.0 <= float(c["loss"]["alpha"]) <= 1.0:
+        bad("loss.alpha", f"must lie in [0, 1], got {c['loss']['alpha']}")
+    if float(c["loss"]["omega"]) < 0:
+        bad("loss.omega", f"must be >= 0, got {c['loss']['omega']}")
+    g = c["glancing"]
+    if g["enabled"] and c["block_size"] < 2:
+        bad("glancing.enabled", "glancing needs block_size >= 2 (k=1 is the EAGLE-1 baseline: set glancing.enabled=false)")
+    glancing_ratio(g, Progress())  # raises on unknown schedule / unit
+    if not isinstance(c["decoding"]["passes"], int) or c["decoding"]["passes"] < 1:
+        bad("decoding.passes", f"must be an int >= 1, got {c['decoding']['passes']!r}")
+
+
+def block_causal_mask(length: int, block_size: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Falcon's relaxed causal mask (METHODS.md §1.2): query i sees key j iff j ≤ (⌊i/k⌋+1)·k − 1.
+
+    Blocks are aligned at position 0; attention is bidirectional within a block and causal across
+    blocks.  With ``valid`` [B, T] bool, padding keys are hidden too.
+
+    Returns:
+        bool [T, T] (no ``valid``) or [B, 1, T, T] (True = visible).
+    """
+    i = torch.arange(length, device=None if valid is None else valid.device)
+    allowed = i[None, :] <= ((i[:, None] // block_size) + 1) * block_size - 1
+    if valid is None:
+        return allowed
+    return allowed[None, None] & valid.bool()[:, None, None, :]
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool visibility → additive float mask (0 visible, ``finfo(dtype).min`` hidden)."""
+    out = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return out.masked_fill(~visible, torch.finfo(dtype).min)
+
+
+@register
+class FalconHead(DraftHead):
+    """The Falcon SAR drafter (METHODS.md §1.2).
+
+    Config (``configs/heads/falcon.yaml``): ``block_size`` k, ``num_layers`` D, ``fuse``
+    (``linear``|``lstm``), ``lstm_layers``, ``lstm_dropout``, ``attn_implementation``, ``noise``
+    (``type`` uniform|length_scaled|none, ``scale``), ``loss`` (``alpha``, ``omega``, ``beta``),
+    ``glancing`` (``enabled``, ``schedule``, ``unit``, ``scale``, ``offset``; see
+    :func:`losses.falcon.glancing_ratio`), ``decoding`` (``passes`` m, ``tree``; see
+    :mod:`decoding.falcon`).
+
+    Raises:
+        ValueError: a bad config value (the message names the key).
+    """
+
+    head_type = "falcon"
+
+    def __init__(self, cfg: dict[str, Any], base_config) -> None:
+        merged = _merge(DEFAULTS, dict(cfg))
+        check_falcon_config(merged)
+        super().__init__(merged, base_config)
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        c = merged
+        self.k = int(c["block_size"])
+        from decoding.falcon import FalconTreeTemplate  # fail early on a malformed decoding tree
+
+        FalconTreeTemplate.from_config(c["decoding"]["tree"], self.k, int(c["decoding"]["passes"]))
+        H = self.hidden_size
+        layer_cfg = copy.deepcopy(base_config)
+        layer_cfg._attn_implementation = c["attn_implementation"]
+        self.layer_config = layer_cfg
+        self.fuse_type = c["fuse"]
+        if self.fuse_type == "linear":
+            self.fc = nn.Linear(2 * H, H, bias=True)
+        else:
+            self.lstm = nn.LSTM(2 * H, H, num_layers=int(c["lstm_layers"]), dropout=float(c["lstm_dropout"]))
+        self.layers = nn.ModuleList([LlamaDecoderLayer(layer_cfg, layer_idx=i) for i in range(int(c["num_layers"]))])
+        self.layers[0].input_layernorm = nn.Identity()  # EAGLE: no input norm on the first layer
+        self.rotary_emb = LlamaRotaryEmbedding(layer_cfg)
+        std = float(getattr(base_config, "initializer_range", 0.02))
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    # -- model -----------------------------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.layers[0].mlp.down_proj.weight.dtype
+
+    def fuse(self, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """u = Fuse([Emb(tokens); feats]): feats [B,T,H], tokens [B,T] long → [B,T,H] (per position)."""
+        dtype = self.compute_dtype
+        x = torch.cat([self.embed(tokens).to(dtype), feats.to(dtype)], dim=-1)
+        if self.fuse_type == "linear":
+            return self.fc(x)
+        B, T, _ = x.shape
+        out, _ = self.lstm(x.reshape(1, B * T, x.shape[-1]))  # T·B independent length-1 sequences
+        return out.reshape(B, T, -1)
+
+    def logits_fp32(self, h: torch.Tensor) -> torch.Tensor:
+        """W h in fp32 with autocast off: h [..., H] → logits [..., V] float32 (for the loss)."""
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            return h.float() @ self.lm_head_weight.float().T
+
+    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor, cache=None) -> torch.Tensor:
+        """Drafter features f̂ [B,T,H] from feats [B,T,H], tokens [B,T] (x_{t+1} per slot t).
+
+        Args:
+            position_ids: [B, T] long RoPE positions.
+            attention_mask: additive float [B or 1, 1, T, S] (S = cached + T keys) in the compute dtype.
+            cache: optional KV store with ``update(k, v, layer_idx, **kw)`` (see decoding.falcon).
+        """
+        h = self.fuse(feats, tokens)
+        pos_emb = self.rotary_emb(h, position_ids)
+        for layer in self.layers:
+            h = layer(h, attention_mask=attention_mask, position_ids=position_ids,
+                      position_embeddings=pos_emb, cache=cache, use_cache=cache is not None)
+        return h
+
+    def forward_train(self, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Full-sequence forward with the training block mask; positions 0..T−1.  → f̂ [B,T,H]."""
+        B, T = tokens.shape
+        mask = additive_mask(block_causal_mask(T, self.k, valid), self.compute_dtype)
+        pos = torch.arange(T, device=tokens.device)[None].expand(B, T)
+        return self.forward(feats, tokens, pos, mask)
+
+    # -- data ------------------------------------------------------------------------------------
+    def prepare_inputs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Training tensors of METHODS.md §1.1 from a collated cache batch.
+
+        Returns ``F_in`` f_t, ``X_in`` x_{t+1}, ``F_tgt`` f_{t+k}, ``G`` x_{t+k+1} (each [B,T(,H)],
+        zero beyond the sequence), ``valid`` [B,T] bool (not padding), and ``mask`` [B,T] bool:
+        m_t = loss_mask[t+k] ∧ (t+k < length), i.e. the target feature sits on an assistant token
+        (so m = 0 on the last k positions).
+        """
+        for key in ("input_ids", "hidden", "attention_mask", "loss_mask"):
+            if key not in batch:
+                raise KeyError(f"Falcon batch has no {key!r} (keys: {', '.join(batch)})")
+        ids = batch["input_ids"]
+        f = batch["hidden"].to(self.compute_dtype)
+        valid = batch["attention_mask"].bool()
+        lm = batch["loss_mask"].bool() & valid
+        B, T = ids.shape
+        k = self.k
+        X_in = torch.zeros_like(ids)
+        X_in[:, :-1] = ids[:, 1:]
+        F_tgt = torch.zeros_like(f)
+        G = torch.zeros_like(ids)
+        mask = torch.zeros_like(lm)
+        if T > k:
+            F_tgt[:, : T - k] = f[:, k:]
+            mask[:, : T - k] = lm[:, k:]
+        if T > k + 1:
+            G[:, : T - k - 1] = ids[:, k + 1:]
+        return {"F_in": f, "X_in": X_in, "F_tgt": F_tgt, "G": G, "valid": valid, "mask": mask}
+
+    def _noise(self, f: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        n = self.cfg["noise"]
+        if n["type"] == "none" or float(n["scale"]) == 0.0:
+            return f
+        scale = float(n["scale"])
+        if n["type"] == "length_scaled":  # EAGLE / Falcon [C]: U(±scale·512/T)
+            scale = scale * 512.0 / max(int(valid.sum(-1).max()), 1)
+        return f + (torch.rand_like(f) * 2.0 - 1.0) * scale
+
+    def _loss_on(self, pred: torch.Tensor, inp: dict[str, torch.Tensor], mask: torch.Tensor):
+        sel_pred = pred[mask]
+        sel_tgt = inp["F_tgt"][mask]
+        student = self.logits_fp32(sel_pred)
+        teacher = self.logits_fp32(sel_tgt)
+        L = self.cfg["loss"]
+        loss, parts = falcon_loss(sel_pred, sel_tgt, student, teacher,
+                                  torch.ones(sel_pred.shape[0], dtype=torch.bool, device=pred.device),
+                                  alpha=float(L["alpha"]), omega=float(L["omega"]), beta=float(L["beta"]))
+        acc = (student.argmax(-1) == teacher.argmax(-1)).float().mean() if sel_pred.shape[0] else student.new_zeros(())
+        return loss, parts, acc, student
+
+    # -- training --------------------------------------------------------------------------------
+    def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:
+        """Falcon loss with CSGD (METHODS.md §1.3, §1.4).  Returns ``(loss, metrics)``.
+
+        Pass A (no grad, train mode) → per-row Hamming distance d_b between the drafter's argmax
+        and the teacher argmax over the loss positions; R = :func:`glancing_positions` with
+        λ = :func:`glancing_ratio`; coupled replacement F_in ← F_tgt, X_in ← G on R, and R leaves
+        the loss mask; pass B with grad.  Noise goes on F_in before glancing (replaced slots get
+        the clean ground truth).
+        """
+        inp = self.prepare_inputs(batch)
+        valid, mask = inp["valid"], inp["mask"]
+        F_in = self._noise(inp["F_in"], valid) if self.training else inp["F_in"]
+        X_in = inp["X_in"]
+        metrics: dict[str, float] = {}
+        g = self.cfg["glancing"]
+        lam = glancing_ratio(g, progress) if g["enabled"] else 0.0
+        glanced = 0
+        if lam > 0 and bool(mask.any()):
+            with torch.no_grad():
+                pred_a = self.forward_train(F_in, X_in, valid)
+                wrong = torch.zeros_like(mask)
+                student = self.logits_fp32(pred_a[mask])
+                teacher = self.logits_fp32(inp["F_tgt"][mask])
+                wrong[mask] = student.argmax(-1) != teacher.argmax(-1)
+                distance = wrong.sum(-1)
+            R, _ = glancing_positions(mask, distance, lam, self.k)
+            F_in = torch.where(R[..., None], inp["F_tgt"], F_in)
+            X_in = torch.where(R, inp["G"], X_in)
+            mask = mask & ~R
+            glanced = int(R.sum())
+            metrics["hamming"] = float(distance.float().mean())
+        pred = self.forward_train(F_in, X_in, valid)
+        inp_b = dict(inp, F_in=F_in, X_in=X_in)
+        loss, parts, acc, _ = self._loss_on(pred, inp_b, mask)
+        if not bool(mask.any()):
+            loss = loss + 0.0 * pred.sum()  # keep the graph connected (DDP) on an empty batch
+        metrics.update({"loss": float(loss.detach()), "loss_reg": float(parts["reg"]), "kl": float(parts["kl"]),
+                        "ce": float(parts["ce"]), "acc": float(acc), "glance_ratio": lam,
+                        "glanced_tokens": float(glanced), "loss_tokens": float(mask.sum())})
+        return loss, metrics
+
+    # -- validation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validation_metrics(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Validation loss parts, teacher-forced top-1 accuracy and ``sim_tau`` as ``(sum, count)`` pairs.
+
+        ``loss``, ``loss_reg``, ``kl``, ``ce``, ``acc`` (top-1 agreement with the teacher argmax) are
+        (Σ over loss positions, M); ``sim_tau`` is (Σ τ over anchors, number of anchors), so the
+        trainer's Σsum/Σcount is an exact mean over the whole split.
+
+        ``sim_tau`` (simulated acceptance length, incl. the bonus token, METHODS §5.1): one
+        teacher-forced forward with the training block mask (no noise, no glancing).  An anchor is
+        every block start s (s ≡ 0 mod k) with m_s = 1; it plays the root block [s..s+k−1] of a
+        decoding step whose bonus token is x_{s+k}.  Depth d = 1..m·k (m = ``decoding.passes``)
+        is the prediction of slot s+d−1, exactly the slot/block that drafts depth d in
+        :class:`decoding.falcon.FalconDrafter` (pass ⌈d/k⌉, slot (d−1) mod k); it is correct iff
+        argmax W f̂_{s+d−1} equals the greedy label ``labels[s+d−1+k]`` and m_{s+d−1} = 1.
+        τ(s) = 1 + the number of leading correct depths; ``sim_tau`` is the mean over anchors.
+        Teacher forcing means that later passes read true features f (and the data tokens)
+        instead of the drafter's own f̂ and drafted tokens, so it is an optimistic proxy of the
+        chain acceptance of decoding.
+        """
+        inp = self.prepare_inputs(batch)
+        valid, mask = inp["valid"], inp["mask"]
+        pred = self.forward_train(inp["F_in"], inp["X_in"], valid)
+        loss, parts, acc, student = self._loss_on(pred, inp, mask)
+        B, T = mask.shape
+        k = self.k
+        draft_tok = torch.zeros(B, T, dtype=torch.long, device=mask.device)
+        draft_tok[mask] = student.argmax(-1)
+        labels = batch.get("labels")
+        if labels is None:
+            raise KeyError("Falcon validation batch has no 'labels' (greedy labels, needed for sim_tau)")
+        lab_shift = torch.full_like(labels, -1)
+        if T > k:
+            lab_shift[:, : T - k] = labels[:, k:]
+        correct = mask & (draft_tok == lab_shift)
+        depth = k * int(self.cfg["decoding"]["passes"])
+        alive = torch.ones(B, T, dtype=torch.bool, device=mask.device)
+        tau = torch.ones(B, T, dtype=torch.float32, device=mask.device)
+        for j in range(depth):
+            shifted = torch.zeros_like(correct)
+            if T > j:
+                shifted[:, : T - j] = correct[:, j:]
+            alive = alive & shifted
+            tau = tau + alive.float()
+        anchors = mask & (torch.arange(T, device=mask.device) % k == 0)[None]
+        n_anchor = anchors.sum()
+        M = mask.sum().float()
+        return {"loss": (loss.detach().float() * M, M), "loss_reg": (parts["reg"] * M, M),
+                "kl": (parts["kl"] * M, M), "ce": (parts["ce"] * M, M), "acc": (acc.detach().float() * M, M),
+                "sim_tau": ((tau * anchors).sum(), n_anchor.float())}
+
+    # -- decoding --------------------------------------------------------------------------------
+    def make_drafter(self, base_model=None, **kwargs):
+        """A :class:`decoding.falcon.FalconDrafter` with this head's tree and pass count.
+
+        Optional kwargs ``falcon_passes`` / ``falcon_tree`` override ``decoding.passes`` /
+        ``decoding.tree``; every other kwarg (the ``eval`` section) is ignored.
+        """
+        from decoding.falcon import FalconDrafter
+
+        return FalconDrafter(self, passes=kwargs.get("falcon_passes"), tree=kwargs.get("falcon_tree"))
+

@@ -1,0 +1,1 @@
+"""Training objectives, one module per method (pure functions on tensors; no model code)."""

@@ -1,0 +1,99 @@
+"""AdaDecode end to end on a tiny cache: `train` (Lightning, CSV logger) -> exported checkpoint ->
+`evaluation` (parity vs vanilla greedy, AdaDecode stats)."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import heads
+
+LAYERS = [1, 2, 3]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def varied_base(tmp_path_factory):
+    """A tiny Llama folder whose greedy output is varied (larger init), loaded like the real base."""
+    from core.base_model import load_base_model
+    from core.tiny import save_tiny_model
+
+    d = save_tiny_model(tmp_path_factory.mktemp("tiny_varied"), seed=0, initializer_range=0.2)
+    return d, load_base_model({"path": str(d), "dtype": "float32"})
+
+
+def _write_split(directory, model, identity, n, seed, prefix):
+    from data_prep import cache as C
+
+    g = torch.Generator().manual_seed(seed)
+    L = model.config.num_hidden_layers
+    recs = []
+    for i in range(n):
+        T = int(torch.randint(8, 24, (1,), generator=g))
+        ids = torch.randint(3, model.config.vocab_size, (1, T), generator=g)
+        with torch.no_grad():
+            o = model(input_ids=ids, output_hidden_states=True)
+        mask = torch.zeros(T, dtype=torch.bool)
+        mask[2:] = True
+        recs.append({"input_ids": ids[0], "loss_mask": mask, "labels": o.logits[0].argmax(-1),
+                     "hidden": {l: o.hidden_states[l][0] for l in LAYERS + [L]}, "id": f"{prefix}{i}"})
+    directory.mkdir(parents=True, exist_ok=True)
+    C.write_shard(directory, 0, C.build_shard_tensors(recs, LAYERS, L, torch.float32), [r["id"] for r in recs],
+                  {"config_hash": "test", "dropped": {}})
+    header = {"config_hash": "test", "base": identity.to_dict(), "final_layer": L, "layers": LAYERS,
+              "hidden_size": identity.hidden_size, "pad_id": 2, "split": directory.name}
+    assert C.write_manifest(directory, 1, header) is not None
+
+
+def test_train_then_evaluate(varied_base, tmp_path):
+    from core.config import compose
+    from evaluation.runner import run_evaluation
+    from train.run import train
+
+    model_dir, base = varied_base
+    model, _, identity = base
+    cache = tmp_path / "cache"
+    _write_split(cache / "train", model, identity, 16, 1, "tr")
+    _write_split(cache / "val", model, identity, 6, 2, "va")
+    common = [f"model.path={model_dir}", "heads=adadecode", f"heads.layers={LAYERS}", "heads.val_gammas=[0.0,0.2]",
+              f"output_root={tmp_path}"]
+    cfg = compose(common + [
+        "train.logger=csv", "train.progress_bar=false", "train.sanity_val_steps=0", f"train.cache_dir={cache}",
+        "train.run_name=t", "train.log_every_n_steps=1", "train.accelerator=cpu", "train.devices=1",
+        "train.batch_size=4", "train.max_steps=12", "train.val_every_n_steps=4", "train.scheduler.warmup_steps=1",
+        "train.optimizer.lr=0.01"])
+    result = train(cfg, base=base)
+    rows = list(csv.DictReader(open(result["run_dir"] / "csv" / "metrics.csv")))
+    vals = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
+    assert len(vals) == 3 and vals[-1] < vals[0]
+    last = [r for r in rows if r.get("val/sim_cost")][-1]
+    for key in ("val/exit_rate", "val/reject_rate", "val/layers_saved", "val/policy_g0_exit", "val/mismatch_l2_g0.2"):
+        assert last.get(key), key
+    assert float(last["val/policy_g0_exit"]) == 1.0  # γ = 0: every token exits
+    meta = json.loads((result["run_dir"] / "best" / "config.json").read_text())
+    assert meta["head"]["param_counts"]["per_head"] == model.config.hidden_size ** 2
+    loaded, _ = heads.load(result["run_dir"] / "best", base_model=model)
+    assert not torch.equal(loaded.transforms["1"].weight, torch.eye(model.config.hidden_size))
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": t}) for i, t in
+                                 enumerate(["Hello! How can I help you today?", "def add(a, b):", "The quick brown fox"])))
+    ecfg = compose(common + [f"eval.checkpoint={result['run_dir'] / 'best'}", f"eval.prompts={prompts}",
+                             "eval.max_new_tokens=24", "eval.gamma=0.0", "eval.max_inflight=3", "eval.warmup=0",
+                             f"eval.output_dir={tmp_path / 'eval'}"])
+    report = run_evaluation(ecfg, base=base)
+    assert report["parity"] == {"matched": 3, "total": 3, "mismatched_ids": []}
+    summary = report["method"]["decoder_summary"]
+    assert summary["early_exits"] > 0 and summary["gammas"] == {"1": 0.0, "2": 0.0, "3": 0.0}
+    assert summary["max_inflight"] == 3
+    assert summary["accepted_exits"] + summary["rejected_exits"] <= summary["early_exits"]
