@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main job on the packaged defaults, end to end (what `make demo` runs):
+#   1. data prep: SmolLM2-135M-Instruct (packaged GGUF) over packaged ShareGPT -> cache
+#   2. train the CTC-drafter head on the cache
+#   3. lossless speculative decoding on held-out ShareGPT prompts vs vanilla greedy decoding
+# Every stage resumes: re-running skips finished cache shards and continues the training run.
+# Extra key=value arguments go to every stage (e.g. data.max_conversations=50).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+export WANDB_MODE=${WANDB_MODE:-offline}
+
+"$PY" -m data_prep "$@"
+"$PY" -m train heads=ctc train.run_name=demo resume=auto \
+  train.max_steps=150 train.val_every_n_steps=50 train.scheduler.warmup_steps=20 train.optimizer.lr=3e-4 "$@"
+"$PY" -m evaluation heads=ctc checkpoint=outputs/runs/ctc/demo/best \
+  eval.num_prompts=8 eval.max_new_tokens=64 eval.output_dir=outputs/eval/demo "$@"
+echo "demo done: cache in outputs/cache, run in outputs/runs/ctc/demo, report in outputs/eval/demo/report.json"
