@@ -19,14 +19,13 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from core.io import atomic_write_json, sha256_file
+from core.io import atomic_write_json, make_tmp_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion of {gguf}: missing {missing}, unexpected {unexpected}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp = make_tmp_dir(prefix=f".{target.name}.", parent=target.parent)
     try:
         clean.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

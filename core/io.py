@@ -17,11 +17,30 @@ from typing import Any, Mapping
 import torch
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _tmp_path(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    # mkstemp creates 0600; give the final file the permissions open() would (0666 & ~umask),
+    # so caches and checkpoints on shared cluster storage stay readable by the group.
+    os.chmod(tmp, 0o666 & ~_umask())
     return Path(tmp)
+
+
+def make_tmp_dir(prefix: str, parent: str | os.PathLike) -> Path:
+    """A fresh temporary directory inside ``parent`` (created if needed), to be filled and then
+    ``os.replace``-d into its final name; permissions as ``mkdir`` would give (0777 & ~umask)."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -158,7 +158,6 @@ def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids
         per conversation ``(input_ids, loss_mask)`` of the regenerated conversation, truncated
         to ``max_length``; the mask is True on generated tokens.
     """
-    device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     states = [_State(segs, [], []) for segs in conversations]
     while True:

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from core.config import save_config, to_container
+from core.config import save_config
 from core.io import atomic_write_json
 from data_prep import cache as cache_mod
 from data_prep.labels import forward_features, regenerate

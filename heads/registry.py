@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from core.io import atomic_save_safetensors, atomic_write_json
 

@@ -1,7 +1,6 @@
 """AdaDecode heads and loss (METHODS.md §3.2-3.3) on the tiny Llama: logit-lens init, KL, metrics."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -11,15 +10,6 @@ from heads.base import Progress
 from losses.adadecode import adadecode_loss, kl_per_token
 
 LAYERS = [1, 2, 3]  # the tiny model has L = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls on a shared CPU: thread oversubscription costs 100x; restore afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

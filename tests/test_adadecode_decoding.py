@@ -15,15 +15,6 @@ from decoding.verify import new_cache
 LAYERS = [1, 2, 3]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls on a shared CPU: thread oversubscription costs 100x; restore afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model():
     """A tiny random Llama (L = 4) with larger weights than ``tiny_base``, whose greedy output is

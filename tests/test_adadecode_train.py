@@ -7,19 +7,10 @@ import json
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 import heads
 
 LAYERS = [1, 2, 3]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,6 @@ from decoding.vanilla import greedy_generate
 from heads.ctc import CTCHead
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _prompts(tok):
     texts = ["Hello! How can I help you today?", "def add(a, b):", "The quick brown fox"]
     return [torch.tensor(tok(t)["input_ids"], dtype=torch.long) for t in texts]

@@ -9,15 +9,6 @@ from heads.base import Progress
 from heads.ctc import CTCHead
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The shared CI box has 2 cores: one intra-op thread avoids oversubscription."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _batch(model, b=2, t=36, prompt=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (b, t), generator=g)

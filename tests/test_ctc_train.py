@@ -16,14 +16,6 @@ from decoding.vanilla import greedy_generate
 PAD = 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _records(model, n, seed, prefix):
     """Prompt of random tokens + the base's own greedy continuation (METHODS.md §0 'regenerate')."""
     g = torch.Generator().manual_seed(seed)

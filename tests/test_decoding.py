@@ -20,15 +20,6 @@ from decoding.verify import base_forward, greedy_accept, prefill, verify_tree
 V = 384
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny-model forwards are latency-bound: one intra-op thread is far faster on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=["eager", "sdpa"])
 def model(request):
     return tiny_llama(seed=0, attn_implementation=request.param, initializer_range=0.3)

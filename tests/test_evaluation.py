@@ -13,14 +13,6 @@ from evaluation.prompts import PromptError, read_jsonl_prompts
 from evaluation.runner import ParityError, run_evaluation
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"

@@ -10,15 +10,6 @@ from decoding.falcon import FalconTreeTemplate
 from heads.falcon import additive_mask
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscription on a shared 2-core runner."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # -- tree template -------------------------------------------------------------------------------
 def test_tree_from_node_children():
     spec = {"node_children": {"root": 3, "0": 2, "1": 1, "0,0": 2, "0,0,1": 1, "0,0,1,0": 5}}

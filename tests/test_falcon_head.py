@@ -41,15 +41,6 @@ def _head(base, **cfg):
     return build({"type": "falcon", **cfg}, base)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscription on a shared 2-core runner."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # -- relaxed causal mask ------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_block_mask_matches_bruteforce(k):

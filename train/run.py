@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from core.io import make_tmp_dir
 from omegaconf import DictConfig
 
 import heads
@@ -31,10 +32,27 @@ from train.data import CacheDataModule
 from train.module import DraftHeadModule, head_monitor
 
 
+RUN_NAME_ENV = "DRAFTHEADS_RUN_NAME"
+
+
 def run_dir_for(cfg: DictConfig) -> Path:
-    """``<output_root>/runs/<heads.type>/<train.run_name or UTC timestamp YYYYmmdd-HHMMSS>``."""
-    name = cfg.train.run_name or time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    return Path(cfg.output_root) / "runs" / str(cfg.heads.type) / name
+    """``<output_root>/runs/<heads.type>/<name>``.
+
+    ``name`` is ``train.run_name``; else, in a process launched by another draftheads process
+    (Lightning's DDP / DeepSpeed launcher re-runs this script for ranks > 0), the parent's name
+    from ``$DRAFTHEADS_RUN_NAME``; else ``slurm-<SLURM_JOB_ID>`` inside a Slurm job; else the UTC
+    time ``YYYYmmdd-HHMMSS``.  So all ranks of a run share one directory.
+    """
+    inherited = os.environ.get(RUN_NAME_ENV, "")
+    parent_name = None
+    if ":" in inherited:
+        value, setter = inherited.rsplit(":", 1)
+        parent_name = value if setter == str(os.getppid()) else None
+    name = (cfg.train.run_name or parent_name
+            or (f"slurm-{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else None)
+            or time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    os.environ[RUN_NAME_ENV] = f"{name}:{os.getpid()}"
+    return Path(cfg.output_root) / "runs" / str(cfg.heads.type) / str(name)
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
@@ -114,7 +132,7 @@ def export_head(head, directory: Path, identity: dict[str, Any], extra: dict[str
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    tmp = make_tmp_dir(prefix=f".{directory.name}.", parent=directory.parent)
     old = None
     try:
         heads.save(head, tmp, identity, extra=extra)
