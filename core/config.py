@@ -201,10 +201,53 @@ def save_config(cfg: DictConfig, directory: str | os.PathLike, name: str = "conf
     return path
 
 
-def cli(argv: Sequence[str] | None = None) -> DictConfig:
-    """Compose the config from ``sys.argv``; on :class:`ConfigError` print it and exit with 2."""
+HELP_FLAGS = ("-h", "--help", "help")
+
+
+def usage(doc: str | None = None) -> str:
+    """Usage text: the entry point's docstring, then the config groups and their options."""
+    lines = [doc.strip(), ""] if doc else []
+    lines.append("Arguments are group=option selections and section.key=value overrides (omegaconf dotlist).")
+    lines.append("Groups and options (configs/<group>/<option>.yaml):")
+    base = OmegaConf.load(CONFIG_DIR / "config.yaml")
+    defaults = dict(base.get("defaults", {}) or {})
+    for group in groups():
+        lines.append(f"  {group}: {', '.join(group_options(group))}  (default: {defaults.get(group)})")
+    lines.append("Top-level keys: " + ", ".join(k for k in base.keys() if k != "defaults"))
+    return "\n".join(lines)
+
+
+def cli(argv: Sequence[str] | None = None, doc: str | None = None) -> DictConfig:
+    """Compose the config from ``sys.argv``.
+
+    ``-h`` / ``--help`` / ``help`` prints :func:`usage` (with ``doc``, the entry point's
+    docstring) and exits with 0; a :class:`ConfigError` is printed and exits with 2.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in HELP_FLAGS for a in args):
+        print(usage(doc))
+        raise SystemExit(0)
     try:
-        return compose(sys.argv[1:] if argv is None else argv)
+        return compose(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def run_cli(fn: Callable[[DictConfig], object], argv: Sequence[str] | None = None, doc: str | None = None):
+    """Compose the config (:func:`cli`), then run ``fn(cfg)``.
+
+    A missing input file (``FileNotFoundError``) or a :class:`UserInputError` is printed as one
+    ``error:`` line and exits with 2 instead of a traceback; anything else propagates.
+    """
+    cfg = cli(argv, doc)
+    try:
+        return fn(cfg)
+    except (FileNotFoundError, UserInputError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+class UserInputError(ValueError):
+    """Bad user input found while running (an empty dataset, an empty split); the message says
+    what to change."""

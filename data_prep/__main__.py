@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 
-from core.config import cli
+from core.config import run_cli
 from data_prep.pipeline import prepare
 
 
 def main(argv=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = cli(argv)
-    return prepare(cfg)
+    return run_cli(prepare, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from core.config import save_config
+from core.config import UserInputError, save_config
 from core.io import atomic_write_json
 from data_prep import cache as cache_mod
 from data_prep.labels import forward_features, regenerate
@@ -254,6 +254,16 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         atomic_write_json(root / "summary.json", {k: v for k, v in summary.items() if k != "cache_dir"})
     if out is not None:
         print(format_summary(summary), file=out)
+    if summary["complete"]:
+        empty = [k for k, v in summary["splits"].items() if not v["conversations"]]
+        if summary["conversations"] == 0:
+            raise UserInputError(
+                f"no usable conversation in {cfg.data.path or 'the packaged ShareGPT file'} "
+                f"(records read {summary['records_read']}, dropped {summary['dropped']}); "
+                "check data.path, data.max_length and data.max_conversations")
+        for split in empty:
+            print(f"warning: the {split!r} split of {root} is empty; training needs both splits "
+                  "(raise data.max_conversations or data.heldout_fraction)", file=sys.stderr)
     return summary
 
 

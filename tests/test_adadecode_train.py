@@ -6,6 +6,8 @@ import csv
 import json
 
 import pytest
+
+from train.run import metrics_csv
 import torch
 
 import heads
@@ -64,7 +66,7 @@ def test_train_then_evaluate(varied_base, tmp_path):
         "train.batch_size=4", "train.max_steps=12", "train.val_every_n_steps=4", "train.scheduler.warmup_steps=1",
         "train.optimizer.lr=0.01"])
     result = train(cfg, base=base)
-    rows = list(csv.DictReader(open(result["run_dir"] / "csv" / "metrics.csv")))
+    rows = list(csv.DictReader(open(metrics_csv(result["run_dir"]))))
     vals = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
     assert len(vals) == 3 and vals[-1] < vals[0]
     last = [r for r in rows if r.get("val/sim_cost")][-1]

@@ -6,6 +6,8 @@ import csv
 from pathlib import Path
 
 import pytest
+
+from train.run import metrics_csv
 import torch
 
 import heads
@@ -64,7 +66,7 @@ def test_train_cli_path_and_lossless_export(tiny_base, tmp_path, loss):
                    "train.val_every_n_steps=10"])
     result = train(cfg, base=tiny_base)
     run_dir = result["run_dir"]
-    rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    rows = list(csv.DictReader(open(metrics_csv(run_dir))))
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     taus = [float(r["val/sim_tau"]) for r in rows if r.get("val/sim_tau")]
     assert len(taus) == 3 and all(1.0 <= t <= 7.0 for t in taus)

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from train.run import metrics_csv
 import torch
 from safetensors.torch import load_file
 
@@ -169,7 +171,7 @@ def test_zero_stage_and_world_size_are_logged(runs):
     import csv
 
     for name, stage in (("ddp", 0), ("zero2", 2), ("zero3", 3)):
-        rows = list(csv.DictReader(open(runs[name] / "csv" / "metrics.csv")))
+        rows = list(csv.DictReader(open(metrics_csv(runs[name]))))
         info = [r for r in rows if r.get("distributed/zero_stage")]
         assert info, f"{name}: no distributed/* metrics in {list(rows[0])}"
         assert float(info[0]["distributed/zero_stage"]) == stage

@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 
 import pytest
+
+from train.run import metrics_csv
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf, open_dict
@@ -297,7 +299,7 @@ def test_train_loss_decreases_and_exports_roundtrip(tiny_base, tiny_cache, tmp_p
     run_dir = result["run_dir"]
     assert run_dir == tmp_path / "runs" / "test_probe" / "t"
     assert OmegaConf.load(run_dir / "config.yaml").train.max_steps == 24
-    rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    rows = list(csv.DictReader(open(metrics_csv(run_dir))))
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     vals = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
     assert len(losses) == 24 and len(vals) == 3

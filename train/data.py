@@ -29,6 +29,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from core.config import UserInputError
+
 
 # --------------------------------------------------------------------------------------------
 # Batching.
@@ -293,7 +295,9 @@ class CacheDataModule(pl.LightningDataModule):
             self.val_reader = open_split(self.cache_dir, "val")
         for name, reader in (("train", self.train_reader), ("val", self.val_reader)):
             if len(reader) == 0:
-                raise ValueError(f"cache split {name!r} of {self.cache_dir} holds no conversations")
+                raise UserInputError(
+                    f"cache split {name!r} of {self.cache_dir} holds no conversations; prepare more data "
+                    "(data.max_conversations, data.heldout_fraction) with python -m data_prep")
         if self.train_batches is None:
             self.train_batches = make_batches(record_lengths(self.train_reader), self.batch_size, self.max_tokens,
                                               self.seed, self.shuffle, self.bucket_size)

@@ -7,7 +7,7 @@ Run directory ``<output_root>/runs/<head type>/<train.run_name or UTC timestamp>
 
     config.yaml               resolved config
     checkpoints/*.ckpt        Lightning resume checkpoints (safetensors, train.checkpoint_io)
-    csv/metrics.csv           CSVLogger metrics (train/loss, val/loss, val/sim_tau, tokens/s...)
+    csv/version_<n>/metrics.csv  CSVLogger metrics, one version per launch (train/loss, val/loss, val/sim_tau, tokens/s...)
     wandb/                    WandbLogger files (offline unless an API key is configured)
     best/, last/              exported heads: model.safetensors + config.json (heads.save)
 """
@@ -55,6 +55,18 @@ def run_dir_for(cfg: DictConfig) -> Path:
     return Path(cfg.output_root) / "runs" / str(cfg.heads.type) / str(name)
 
 
+def metrics_csv(run_dir: str | os.PathLike) -> Path:
+    """The CSV metrics file of the run's latest launch: ``<run_dir>/csv/version_<n>/metrics.csv``.
+
+    Raises:
+        FileNotFoundError: the run has no CSV metrics.
+    """
+    files = sorted(Path(run_dir).glob("csv/version_*/metrics.csv"), key=lambda f: int(f.parent.name.split("_")[1]))
+    if not files:
+        raise FileNotFoundError(f"run {run_dir} has no csv/version_*/metrics.csv")
+    return files[-1]
+
+
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
     """Lightning loggers for ``train.logger``: ``csv`` -> CSVLogger; ``wandb`` -> CSVLogger + WandbLogger
     (offline, ``WANDB_MODE=offline``, unless ``WANDB_API_KEY`` is set or ``WANDB_MODE`` says otherwise);
@@ -64,7 +76,9 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
     kind = str(cfg.train.logger)
     if kind == "none":
         return []
-    loggers: list = [CSVLogger(save_dir=str(run_dir), name="csv", version="")]
+    # version=None: each launch of the run (first start, every resume) gets csv/version_<n>/,
+    # so resuming never overwrites the metrics written before.
+    loggers: list = [CSVLogger(save_dir=str(run_dir), name="csv", version=None)]
     if kind == "wandb":
         if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
             os.environ["WANDB_MODE"] = "offline"
@@ -255,10 +269,10 @@ def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> C
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """CLI entry: compose the config from ``argv`` (or ``sys.argv``), train, print the exports."""
-    from core.config import cli
+    import train.__main__ as entry
+    from core.config import run_cli
 
-    cfg = cli(argv)
-    result = train(cfg)
+    result = run_cli(train, argv, entry.__doc__)
     if result["exports"]:
         for name, path in result["exports"].items():
             print(f"{name}: {path}")
