@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from core.io import atomic_write_bytes
 
@@ -168,22 +169,10 @@ class SafetensorsCheckpointIO(CheckpointIO):
             raise FileNotFoundError(f"checkpoint file {path} not found")
         ckpt = loads(path.read_bytes(), str(path))
         if isinstance(map_location, (str, torch.device)):
-            ckpt = _map(ckpt, map_location)
+            ckpt = move_data_to_device(ckpt, map_location)
         return ckpt
 
     def remove_checkpoint(self, path) -> None:
         path = Path(path)
         if path.is_file() or path.is_symlink():
             os.remove(path)
-
-
-def _map(obj: Any, device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _map(v, device) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_map(v, device) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_map(v, device) for v in obj)
-    return obj

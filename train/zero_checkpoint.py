@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from core.io import atomic_write_bytes
 
@@ -208,7 +209,7 @@ def load(strategy, checkpoint_path) -> dict[str, Any]:
         setattr(scaler, key, value)
     state["loss_scaler"] = scaler
     state_list: list[Any] = [None] * strategy.world_size
-    state_list[strategy.global_rank] = _to_device(state, strategy.root_device)
+    state_list[strategy.global_rank] = move_data_to_device(state, strategy.root_device)
     optimizer.load_state_dict(state_list, load_optimizer_states=True, load_from_fp32_weights=True)
     for key, value in shard["engine"].items():
         setattr(engine, key, int(value))
@@ -228,15 +229,3 @@ def load_weights(strategy, checkpoint: dict[str, Any], strict: bool = True) -> N
     module = strategy.lightning_module
     state = {k: v for k, v in checkpoint["state_dict"].items()}
     module.load_state_dict(state, strict=strict)
-
-
-def _to_device(obj: Any, device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_device(v, device) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_device(v, device) for v in obj)
-    return obj
