@@ -38,34 +38,12 @@ import torch  # noqa: E402
 
 
 def write_synthetic_cache(root: Path, model_dir: Path, n_train: int, n_val: int, layers: list[int]) -> Path:
-    """A real-format cache of random token sequences run through the base model at ``model_dir``."""
-    from core.base_model import load_base_model
-    from data_prep import cache as C
+    """A real-format cache of random token sequences (48-95 tokens, loss on the last 3/4) run
+    through the base model at ``model_dir`` (``core.tiny.write_random_cache``)."""
+    from core.tiny import write_random_cache
 
-    model, _, identity = load_base_model({"path": str(model_dir), "dtype": "float32", "attn_implementation": "eager"})
-    L = int(model.config.num_hidden_layers)
-    for split, n, seed in (("train", n_train, 1), ("val", n_val, 2)):
-        g = torch.Generator().manual_seed(seed)
-        records = []
-        for i in range(n):
-            T = int(torch.randint(48, 96, (1,), generator=g))
-            ids = torch.randint(3, int(model.config.vocab_size), (1, T), generator=g)
-            with torch.no_grad():
-                out = model(input_ids=ids, output_hidden_states=True)
-            mask = torch.zeros(T, dtype=torch.bool)
-            mask[T // 4:] = True
-            records.append({"input_ids": ids[0], "loss_mask": mask, "labels": out.logits[0].argmax(-1),
-                            "hidden": {l: out.hidden_states[l][0] for l in {L, *layers}}, "id": f"{split}{i}"})
-        d = root / split
-        d.mkdir(parents=True, exist_ok=True)
-        shards = [records[i:i + 16] for i in range(0, len(records), 16)]
-        for k, recs in enumerate(shards):
-            C.write_shard(d, k, C.build_shard_tensors(recs, layers, L, torch.float32), [r["id"] for r in recs],
-                          {"config_hash": "bench", "dropped": {}})
-        C.write_manifest(d, len(shards), {"config_hash": "bench", "base": identity.to_dict(), "final_layer": L,
-                                          "layers": list(layers), "hidden_size": int(model.config.hidden_size),
-                                          "pad_id": 2, "split": split})
-    return root
+    return write_random_cache(root, model_dir, n_train=n_train, n_val=n_val, layers=layers, length_range=(48, 96),
+                              mask_start=lambda T, g: T // 4, shard_size=16, tag="bench")
 
 
 def compose_cfg(args, extra: list[str]):

@@ -79,36 +79,12 @@ class DistTestHead(DraftHead):
 
 
 def write_tiny_cache(root: Path, model_dir: Path, n_train: int = 24, n_val: int = 8) -> Path:
-    """A real-format cache (``data_prep.cache`` writer) of random token sequences run through the
-    tiny base model at ``model_dir``: ``root/train`` and ``root/val``.  Returns ``root``."""
-    from core.base_model import load_base_model
-    from data_prep import cache as C
+    """A real-format cache of random token sequences through the tiny base at ``model_dir``
+    (``core.tiny.write_random_cache``; final layer + ``AUX_LAYER``).  Returns ``root``."""
+    from core.tiny import write_random_cache
 
-    model, _, identity = load_base_model({"path": str(model_dir), "dtype": "float32", "attn_implementation": "eager"})
-    L = int(model.config.num_hidden_layers)
-    for split, n, seed in (("train", n_train, 1), ("val", n_val, 2)):
-        g = torch.Generator().manual_seed(seed)
-        records = []
-        for i in range(n):
-            T = int(torch.randint(6, 20, (1,), generator=g))
-            ids = torch.randint(3, int(model.config.vocab_size), (1, T), generator=g)
-            with torch.no_grad():
-                out = model(input_ids=ids, output_hidden_states=True)
-            mask = torch.zeros(T, dtype=torch.bool)
-            mask[int(torch.randint(1, 4, (1,), generator=g)):] = True
-            records.append({"input_ids": ids[0], "loss_mask": mask, "labels": out.logits[0].argmax(-1),
-                            "hidden": {L: out.hidden_states[L][0], AUX_LAYER: out.hidden_states[AUX_LAYER][0]},
-                            "id": f"{split}{i}"})
-        directory = root / split
-        directory.mkdir(parents=True, exist_ok=True)
-        shards = [records[i:i + 8] for i in range(0, len(records), 8)]
-        for k, recs in enumerate(shards):
-            C.write_shard(directory, k, C.build_shard_tensors(recs, [AUX_LAYER], L, torch.float32),
-                          [r["id"] for r in recs], {"config_hash": "test", "dropped": {}})
-        header = {"config_hash": "test", "base": identity.to_dict(), "final_layer": L, "layers": [AUX_LAYER],
-                  "hidden_size": int(model.config.hidden_size), "pad_id": 2, "split": split}
-        C.write_manifest(directory, len(shards), header)
-    return root
+    return write_random_cache(root, model_dir, n_train=n_train, n_val=n_val, layers=[AUX_LAYER],
+                              length_range=(6, 20), shard_size=8, tag="test")
 
 
 def kill_after_step(n: int):
