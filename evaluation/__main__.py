@@ -31,7 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PromptError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_summary(report))
+    for name, rep in (report["variants"].items() if "variants" in report else [(None, report)]):
+        if name:
+            print(f"== {name}")
+        print(format_summary(rep))
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -143,97 +144,69 @@ def plot(report: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-@torch.no_grad()
-def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
-    """Run the evaluation described by ``cfg`` and write the outputs.
+_NAME_OK = re.compile(r"[^A-Za-z0-9._=,+-]+")
 
-    Args:
-        cfg: the composed config (``model``, ``data``, ``heads``, ``eval`` sections).
-        base: optional preloaded ``(model, tokenizer, identity)``; else loaded from ``cfg.model``
-            with ``dtype = eval.dtype``.
-        decoder: optional Decoder to evaluate instead of the one built from ``eval.checkpoint``.
+
+def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
+    """Expand ``eval.variants`` into one config per method variant.
+
+    ``eval.variants`` is null (one method: the run's own ``eval`` section) or a list of mappings of
+    ``eval.*`` overrides, e.g. ``[{checkpoint: runs/falcon/k2/best}, {checkpoint: runs/falcon/k1/best}]``
+    or ``[{gamma: 0.7}, {gamma: 0.85}]``; an optional ``name`` key names the variant's report
+    subdirectory (default: the overrides, e.g. ``gamma=0.7`` or ``k2-best`` for a checkpoint).
+    All variants share one vanilla decoding of every prompt, so their speedups are measured against
+    the same reference in the same run.
 
     Returns:
-        The report dict (also written to ``<output_dir>/report.json``); ``report["output_dir"]``.
+        ``[(name, cfg)]``: ``name`` is None when ``eval.variants`` is unset.
 
     Raises:
-        ParityError: ``eval.fail_on_mismatch`` and some prompt's output differed (after the
-            report was written); the message names the prompt ids.
+        ValueError: a variant is not a mapping, overrides an unknown ``eval`` key (the key and the
+            variant index are named) or ``variants`` itself, or two variants share a name.
     """
-    ev = cfg.eval
-    if ev.get("threads"):
-        torch.set_num_threads(int(ev.threads))
-    device = resolve_device(ev.get("device"))
-    if base is None:
-        from core.base_model import load_base_model
+    from omegaconf import OmegaConf, open_dict
 
-        model_cfg = to_container(cfg.model)
-        model_cfg["dtype"] = ev.dtype
-        base = load_base_model(model_cfg)
-    model, tokenizer, identity = base
-    model.to(device)
-    eos_ids = eos_token_ids(tokenizer, model)
-    if decoder is None:
-        decoder, info = build_decoder(cfg, model, eos_ids, device)
-    else:
-        info = {"checkpoint": str(ev.get("checkpoint")), "head_type": "custom", "decoder": type(decoder).__name__}
-    prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, tokenizer)
-    out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, info)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir)
-    max_new = int(ev.max_new_tokens)
-    log.info("evaluating %s on %d prompts (max_new_tokens=%d) on %s -> %s", info["decoder"], len(prompts), max_new,
-             device, out_dir)
+    raw = cfg.eval.get("variants")
+    if not raw:
+        return [(None, cfg)]
+    out: list[tuple[str | None, DictConfig]] = []
+    for i, v in enumerate(to_container(raw) if not isinstance(raw, list) else raw):
+        if not isinstance(v, dict) or not v:
+            raise ValueError(f"eval.variants[{i}]={v!r}: expected a non-empty mapping of eval.* overrides")
+        v = dict(v)
+        name = v.pop("name", None)
+        bad = sorted(k for k in v if k not in cfg.eval or k == "variants")
+        if bad:
+            raise ValueError(f"eval.variants[{i}]: unknown eval key(s) {', '.join(bad)}; valid: "
+                             f"{', '.join(sorted(k for k in cfg.eval if k != 'variants'))}")
+        if name is None:
+            parts = []
+            for k, val in v.items():
+                if k == "checkpoint" and val not in REFERENCE_DRAFTERS:
+                    path = Path(str(val))
+                    parts.append(f"{path.parent.name}-{path.name}" if path.name in ("best", "last") else path.name)
+                else:
+                    parts.append(f"{k}={val}")
+            name = ",".join(parts)
+        name = _NAME_OK.sub("_", str(name)).strip("._") or f"variant{i}"
+        if any(name == n for n, _ in out):
+            raise ValueError(f"eval.variants[{i}]: duplicate variant name {name!r}; give each a distinct `name`")
+        c = cfg.copy()
+        with open_dict(c):
+            c.eval.variants = None
+            for k, val in v.items():
+                OmegaConf.update(c, f"eval.{k}", val, merge=False)
+        out.append((name, c))
+    return out
 
-    for _ in range(int(ev.get("warmup") or 0)):  # untimed: allocator, kernels, lazy imports
-        greedy_generate(model, prompts[0].input_ids, min(8, max_new), eos_ids)
-        decoder.generate(prompts[0].input_ids, min(8, max_new))
 
-    per_prompt, method_stats = [], []
-    van_tokens = van_seconds = van_forwards = 0
-    met_tokens = 0
-    met_seconds = 0.0
-    mismatches = []
-    for i, p in enumerate(prompts):
-        _sync(device)
-        t0 = time.perf_counter()
-        ref, vstats = greedy_generate(model, p.input_ids, max_new, eos_ids)
-        _sync(device)
-        t1 = time.perf_counter()
-        out, mstats = decoder.generate(p.input_ids, max_new)
-        _sync(device)
-        t2 = time.perf_counter()
-        out = [int(t) for t in out]
-        match = out == ref
-        first_diff = None
-        if not match:
-            first_diff = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-            mismatches.append(p.id)
-        van_tokens += len(ref)
-        van_seconds += t1 - t0
-        van_forwards += vstats["base_forwards"] + vstats["prefill_forwards"]
-        met_tokens += len(out)
-        met_seconds += t2 - t1
-        method_stats.append(mstats)
-        emitted = mstats.get("emitted_per_step")
-        row = {"id": p.id, "prompt_tokens": int(p.input_ids.numel()), "vanilla_tokens": len(ref),
-               "method_tokens": len(out), "match": match, "first_mismatch": first_diff,
-               "vanilla_seconds": t1 - t0, "method_seconds": t2 - t1,
-               "speedup": ((t1 - t0) / len(ref)) / ((t2 - t1) / len(out)) if out and ref and t2 > t1 else None,
-               "tau": (sum(emitted) / len(emitted)) if emitted else None,
-               "stats": {k: v for k, v in mstats.items() if k != "emitted_per_step"}}
-        if not match:
-            row["vanilla_output"], row["method_output"] = ref, out
-        per_prompt.append(row)
-        log.info("[%d/%d] %s: %d tokens, tau=%s, %s", i + 1, len(prompts), p.id, len(out),
-                 f"{row['tau']:.2f}" if row["tau"] else "-", "match" if match else f"MISMATCH at {first_diff}")
-
-    method = summarize_method(method_stats, met_tokens, met_seconds)
+def _report(info, identity, device, model, ev, prompts, skipped, max_new, eos_ids, vanilla, stats, seconds,
+            tokens, rows, decoder, out_dir) -> dict[str, Any]:
+    method = summarize_method(stats, tokens, seconds)
     if hasattr(decoder, "summarize"):
-        method["decoder_summary"] = decoder.summarize(method_stats)
-    vanilla = {"tokens": van_tokens, "seconds": van_seconds, "tokens_per_s": van_tokens / van_seconds if van_seconds else None,
-               "base_forwards_per_token": van_forwards / van_tokens if van_tokens else None}
-    report = {
+        method["decoder_summary"] = decoder.summarize(stats)
+    mismatches = [r["id"] for r in rows if not r["match"]]
+    return {
         "head_type": info["head_type"], "decoder": info["decoder"], "checkpoint": info["checkpoint"], "info": info,
         "base": identity.to_dict() if hasattr(identity, "to_dict") else str(identity),
         "device": str(device), "dtype": str(model.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
@@ -247,15 +220,152 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         "drafter_passes_per_step": method.get("drafter_passes_per_step"),
         "speedup": (method["tokens_per_s"] / vanilla["tokens_per_s"]) if method.get("tokens_per_s") and vanilla["tokens_per_s"] else None,
         "parity": {"matched": len(prompts) - len(mismatches), "total": len(prompts), "mismatched_ids": mismatches},
-        "vanilla": vanilla, "method": method, "per_prompt": per_prompt,
+        "vanilla": vanilla, "method": method, "per_prompt": rows,
         "output_dir": str(out_dir),
     }
-    atomic_write_json(out_dir / "report.json", report)
-    atomic_write_bytes(out_dir / "acceptance.png", plot(report))
-    if mismatches and ev.get("fail_on_mismatch", True):
-        raise ParityError(f"output differs from vanilla greedy decoding on {len(mismatches)}/{len(prompts)} prompts: "
-                          f"ids {', '.join(mismatches)} (details in {out_dir / 'report.json'})")
-    return report
+
+
+@torch.no_grad()
+def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
+    """Run the evaluation described by ``cfg`` and write the outputs.
+
+    Per prompt, vanilla greedy decoding runs once, then every method variant (``eval.variants``,
+    see :func:`variant_configs`; one variant when unset), interleaved so that load drift hits all
+    alike.
+
+    Args:
+        cfg: the composed config (``model``, ``data``, ``heads``, ``eval`` sections).
+        base: optional preloaded ``(model, tokenizer, identity)``; else loaded from ``cfg.model``
+            with ``dtype = eval.dtype``.
+        decoder: optional Decoder to evaluate instead of the one built from ``eval.checkpoint``
+            (single variant only).
+
+    Returns:
+        The report dict (also written to ``<output_dir>/report.json``); ``report["output_dir"]``.
+        With ``eval.variants``: ``{"variants": {name: report}, "output_dir": ...}``, each report
+        written to ``<output_dir>/<name>/report.json`` and a table to ``<output_dir>/summary.json``.
+
+    Raises:
+        ParityError: ``eval.fail_on_mismatch`` and some prompt's output differed (after the
+            reports were written); the message names the variants and prompt ids.
+        ValueError: a bad ``eval.variants`` entry or checkpoint (see :func:`build_decoder`).
+    """
+    ev = cfg.eval
+    if ev.get("threads"):
+        torch.set_num_threads(int(ev.threads))
+    device = resolve_device(ev.get("device"))
+    variants = variant_configs(cfg)
+    if decoder is not None and variants[0][0] is not None:
+        raise ValueError("run_evaluation(decoder=...) takes no eval.variants")
+    if base is None:
+        from core.base_model import load_base_model
+
+        model_cfg = to_container(cfg.model)
+        model_cfg["dtype"] = ev.dtype
+        base = load_base_model(model_cfg)
+    model, tokenizer, identity = base
+    model.to(device)
+    eos_ids = eos_token_ids(tokenizer, model)
+    methods = []  # (name, cfg, decoder, info)
+    if decoder is not None:
+        methods.append((None, cfg, decoder, {"checkpoint": str(ev.get("checkpoint")), "head_type": "custom",
+                                             "decoder": type(decoder).__name__}))
+    else:
+        for name, vcfg in variants:
+            dec, info = build_decoder(vcfg, model, eos_ids, device)
+            methods.append((name, vcfg, dec, info))
+    prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, tokenizer)
+    info0 = methods[0][3] if len(methods) == 1 else {"head_type": str(methods[0][3]["head_type"]) + "-variants"}
+    out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, info0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir)
+    max_new = int(ev.max_new_tokens)
+    log.info("evaluating %s on %d prompts (max_new_tokens=%d) on %s -> %s",
+             ", ".join(str(m[3]["decoder"]) + (f" [{m[0]}]" if m[0] else "") for m in methods), len(prompts),
+             max_new, device, out_dir)
+
+    for _ in range(int(ev.get("warmup") or 0)):  # untimed: allocator, kernels, lazy imports
+        greedy_generate(model, prompts[0].input_ids, min(8, max_new), eos_ids)
+        for m in methods:
+            m[2].generate(prompts[0].input_ids, min(8, max_new))
+
+    van_tokens = van_seconds = van_forwards = 0
+    acc = [{"stats": [], "rows": [], "tokens": 0, "seconds": 0.0} for _ in methods]
+    for i, p in enumerate(prompts):
+        _sync(device)
+        t0 = time.perf_counter()
+        ref, vstats = greedy_generate(model, p.input_ids, max_new, eos_ids)
+        _sync(device)
+        t1 = time.perf_counter()
+        van_tokens += len(ref)
+        van_seconds += t1 - t0
+        van_forwards += vstats["base_forwards"] + vstats["prefill_forwards"]
+        for (name, _, dec, _), a in zip(methods, acc):
+            _sync(device)
+            t2 = time.perf_counter()
+            out, mstats = dec.generate(p.input_ids, max_new)
+            _sync(device)
+            t3 = time.perf_counter()
+            out = [int(t) for t in out]
+            match = out == ref
+            first_diff = None
+            if not match:
+                first_diff = next((j for j, (x, y) in enumerate(zip(out, ref)) if x != y), min(len(out), len(ref)))
+            a["tokens"] += len(out)
+            a["seconds"] += t3 - t2
+            a["stats"].append(mstats)
+            emitted = mstats.get("emitted_per_step")
+            row = {"id": p.id, "prompt_tokens": int(p.input_ids.numel()), "vanilla_tokens": len(ref),
+                   "method_tokens": len(out), "match": match, "first_mismatch": first_diff,
+                   "vanilla_seconds": t1 - t0, "method_seconds": t3 - t2,
+                   "speedup": ((t1 - t0) / len(ref)) / ((t3 - t2) / len(out)) if out and ref and t3 > t2 else None,
+                   "tau": (sum(emitted) / len(emitted)) if emitted else None,
+                   "stats": {k: v for k, v in mstats.items() if k != "emitted_per_step"}}
+            if not match:
+                row["vanilla_output"], row["method_output"] = ref, out
+            a["rows"].append(row)
+            log.info("[%d/%d] %s%s: %d tokens, tau=%s, %s", i + 1, len(prompts), p.id, f" [{name}]" if name else "",
+                     len(out), f"{row['tau']:.2f}" if row["tau"] else "-",
+                     "match" if match else f"MISMATCH at {first_diff}")
+
+    vanilla = {"tokens": van_tokens, "seconds": van_seconds, "tokens_per_s": van_tokens / van_seconds if van_seconds else None,
+               "base_forwards_per_token": van_forwards / van_tokens if van_tokens else None}
+    reports = {}
+    for (name, vcfg, dec, info), a in zip(methods, acc):
+        vdir = out_dir / name if name else out_dir
+        vdir.mkdir(parents=True, exist_ok=True)
+        rep = _report(info, identity, device, model, vcfg.eval, prompts, skipped, max_new, eos_ids, vanilla,
+                      a["stats"], a["seconds"], a["tokens"], a["rows"], dec, vdir)
+        if name:
+            rep["variant"] = name
+            save_config(vcfg, vdir)
+        atomic_write_json(vdir / "report.json", rep)
+        atomic_write_bytes(vdir / "acceptance.png", plot(rep))
+        reports[name] = rep
+    failed = {n: r["parity"]["mismatched_ids"] for n, r in reports.items() if r["parity"]["mismatched_ids"]}
+    if methods[0][0] is None:
+        result = reports[None]
+    else:
+        result = {"variants": reports, "output_dir": str(out_dir)}
+        atomic_write_json(out_dir / "summary.json", {"vanilla": vanilla, "variants": [summary_row(n, r) for n, r in reports.items()]})
+    if failed and ev.get("fail_on_mismatch", True):
+        where = "; ".join(f"{n + ': ' if n else ''}ids {', '.join(ids)}" for n, ids in failed.items())
+        raise ParityError(f"output differs from vanilla greedy decoding on {sum(map(len, failed.values()))} "
+                          f"prompt run(s) of {len(prompts)} prompts: {where} (details in report.json under {out_dir})")
+    return result
+
+
+def summary_row(name: str | None, report: dict[str, Any]) -> dict[str, Any]:
+    """One line of a results table from a report: τ, acceptance, passes, speedup, parity."""
+    m = report["method"]
+    return {"variant": name, "checkpoint": report["checkpoint"], "tau": report.get("tau"),
+            "acceptance_per_depth": report.get("acceptance_per_depth"),
+            "drafter_passes_per_step": report.get("drafter_passes_per_step"),
+            "base_forwards_per_token": report["base_forwards_per_token"]["method"],
+            "tokens_per_s": m.get("tokens_per_s"), "speedup": report.get("speedup"),
+            "drafter_time_share": m.get("drafter_time_share"),
+            "parity": f"{report['parity']['matched']}/{report['parity']['total']}",
+            "decoder_summary": m.get("decoder_summary")}
 
 
 def format_summary(report: dict[str, Any]) -> str:

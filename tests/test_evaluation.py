@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -85,6 +86,39 @@ def test_random_drafter_tau_near_one(tiny_model_dir, tmp_path, prompts_file):
     rep = run_evaluation(cfg)
     assert rep["parity"]["matched"] == 2 and rep["num_prompts"] == 2
     assert rep["tau"] < 1.2
+
+
+def test_variants_share_one_vanilla_pass(tiny_model_dir, tmp_path, prompts_file, capsys):
+    """Two reference drafters in one run: one vanilla decode per prompt, a report per variant."""
+    variants = "eval.variants=[{name: orc, checkpoint: oracle}, {checkpoint: random, reference_depth: 2}]"
+    rc = main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", f"eval.prompts={prompts_file}",
+                    "eval.reference_depth=3", "eval.reference_width=2", variants))
+    assert rc == 0
+    out = tmp_path / "out"
+    orc = json.loads((out / "orc" / "report.json").read_text())
+    rnd = json.loads((out / "checkpoint=random,reference_depth=2" / "report.json").read_text())
+    assert orc["vanilla"] == rnd["vanilla"]  # the same vanilla pass
+    assert orc["parity"]["matched"] == rnd["parity"]["matched"] == 3
+    assert orc["acceptance_per_depth"] == [1.0, 1.0, 1.0] and orc["tau"] > 3.0
+    assert rnd["info"]["reference_depth"] == 2 and rnd["tau"] < 1.2
+    assert orc["speedup"] == pytest.approx(orc["method"]["tokens_per_s"] / orc["vanilla"]["tokens_per_s"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["variant"] for r in summary["variants"]] == ["orc", "checkpoint=random,reference_depth=2"]
+    assert summary["variants"][0]["tau"] == orc["tau"] and summary["variants"][1]["parity"] == "3/3"
+    printed = capsys.readouterr().out
+    assert "== orc" in printed and printed.count("parity: 3/3") == 2
+
+
+@pytest.mark.parametrize("variants, message", [
+    ("[{gama: 0.5}]", r"variants\[0\]: unknown eval key\(s\) gama"),
+    ("[{checkpoint: oracle}, {checkpoint: oracle}]", "duplicate variant name 'checkpoint=oracle'"),
+    ("[oracle]", r"variants\[0\]='oracle': expected a non-empty mapping"),
+])
+def test_bad_variants_are_clear_errors(tiny_model_dir, tmp_path, prompts_file, capsys, variants, message):
+    rc = main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", f"eval.prompts={prompts_file}",
+                    f"eval.variants={variants}"))
+    assert rc == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 class _CorruptOne(VanillaDecoder):
