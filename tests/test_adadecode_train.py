@@ -25,39 +25,17 @@ def varied_base(tmp_path_factory):
     return d, load_base_model({"path": str(d), "dtype": "float32"})
 
 
-def _write_split(directory, model, identity, n, seed, prefix):
-    from data_prep import cache as C
-
-    g = torch.Generator().manual_seed(seed)
-    L = model.config.num_hidden_layers
-    recs = []
-    for i in range(n):
-        T = int(torch.randint(8, 24, (1,), generator=g))
-        ids = torch.randint(3, model.config.vocab_size, (1, T), generator=g)
-        with torch.no_grad():
-            o = model(input_ids=ids, output_hidden_states=True)
-        mask = torch.zeros(T, dtype=torch.bool)
-        mask[2:] = True
-        recs.append({"input_ids": ids[0], "loss_mask": mask, "labels": o.logits[0].argmax(-1),
-                     "hidden": {l: o.hidden_states[l][0] for l in LAYERS + [L]}, "id": f"{prefix}{i}"})
-    directory.mkdir(parents=True, exist_ok=True)
-    C.write_shard(directory, 0, C.build_shard_tensors(recs, LAYERS, L, torch.float32), [r["id"] for r in recs],
-                  {"config_hash": "test", "dropped": {}})
-    header = {"config_hash": "test", "base": identity.to_dict(), "final_layer": L, "layers": LAYERS,
-              "hidden_size": identity.hidden_size, "pad_id": 2, "split": directory.name}
-    assert C.write_manifest(directory, 1, header) is not None
-
-
 def test_train_then_evaluate(varied_base, tmp_path):
     from core.config import compose
+    from core.tiny import write_random_cache
     from evaluation.runner import run_evaluation
     from train.run import train
 
     model_dir, base = varied_base
-    model, _, identity = base
+    model = base[0]
     cache = tmp_path / "cache"
-    _write_split(cache / "train", model, identity, 16, 1, "tr")
-    _write_split(cache / "val", model, identity, 6, 2, "va")
+    write_random_cache(cache, model_dir, n_train=16, n_val=6, layers=LAYERS, length_range=(8, 24),
+                       mask_start=lambda T, g: 2, shard_size=16)
     common = [f"model.path={model_dir}", "heads=adadecode", f"heads.layers={LAYERS}", "heads.val_gammas=[0.0,0.2]",
               f"output_root={tmp_path}"]
     cfg = compose(common + [

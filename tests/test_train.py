@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import math
-from pathlib import Path
 
 import pytest
 
@@ -60,48 +59,13 @@ class ProbeHead(DraftHead):
                 "batch_mean": ce.mean()}
 
 
-# ---------------------------------------------------------------------------------------------
-# A tiny cache in the real format (data_prep.cache writer helpers, features from the tiny model).
-# ---------------------------------------------------------------------------------------------
-def _records(model, n, seed, prefix):
-    g = torch.Generator().manual_seed(seed)
-    L = model.config.num_hidden_layers
-    out = []
-    for i in range(n):
-        T = int(torch.randint(6, 24, (1,), generator=g))
-        ids = torch.randint(3, model.config.vocab_size, (1, T), generator=g)
-        with torch.no_grad():
-            o = model(input_ids=ids, output_hidden_states=True)
-        start = int(torch.randint(1, 4, (1,), generator=g))
-        mask = torch.zeros(T, dtype=torch.bool)
-        mask[start:] = True
-        out.append({"input_ids": ids[0], "loss_mask": mask, "labels": o.logits[0].argmax(-1),
-                    "hidden": {L: o.hidden_states[L][0], H_LAYER_AUX: o.hidden_states[H_LAYER_AUX][0]},
-                    "id": f"{prefix}{i}"})
-    return out
-
-
-def _write_split(directory: Path, records, identity, shard_size=7):
-    from data_prep import cache as C
-
-    directory.mkdir(parents=True, exist_ok=True)
-    L = identity.num_hidden_layers
-    shards = [records[i:i + shard_size] for i in range(0, len(records), shard_size)]
-    for k, recs in enumerate(shards):
-        tensors = C.build_shard_tensors(recs, [H_LAYER_AUX], L, torch.float32)
-        C.write_shard(directory, k, tensors, [r["id"] for r in recs], {"config_hash": "test", "dropped": {}})
-    header = {"config_hash": "test", "base": identity.to_dict(), "final_layer": L, "layers": [H_LAYER_AUX],
-              "hidden_size": identity.hidden_size, "pad_id": 2, "split": directory.name}
-    assert C.write_manifest(directory, len(shards), header) is not None
-
-
 @pytest.fixture(scope="module")
-def tiny_cache(tiny_base, tmp_path_factory):
-    model, _, identity = tiny_base
-    root = tmp_path_factory.mktemp("train_cache")
-    _write_split(root / "train", _records(model, 24, 1, "tr"), identity)
-    _write_split(root / "val", _records(model, 9, 2, "va"), identity)
-    return root
+def tiny_cache(tiny_model_dir, tmp_path_factory):
+    """A tiny cache in the real format (features and greedy labels from the tiny model)."""
+    from core.tiny import write_random_cache
+
+    return write_random_cache(tmp_path_factory.mktemp("train_cache"), tiny_model_dir, n_train=24, n_val=9,
+                              layers=[H_LAYER_AUX], length_range=(6, 24), shard_size=7)
 
 
 def _cfg(tmp_path, cache, **train):
