@@ -29,7 +29,13 @@ never bring any token to depth L; ``max_inflight`` (default 8) bounds the unveri
 
 The output equals vanilla greedy decoding token for token (exact arithmetic; tested in fp32).
 Stop rule: that of :func:`decoding.vanilla.greedy_generate` (eos included, or ``max_new_tokens``).
-Temperature > 0 (§3.4 sampling) is not implemented.
+
+Temperature τ > 0 (§3.4 sampling): the exit decision is unchanged (the head's untempered max
+probability ≥ γ_ℓ), but the draft is *sampled* from the tempered head distribution
+q = softmax(z^(ℓ)/τ); verification accepts it with probability min(1, p*/q) and otherwise emits a
+sample from norm(max(0, p* − q)) and rolls back (:func:`decoding.sampling.verify_draft`); a token
+without a draft successor samples from p* = softmax(W·norm(hs[L])/τ).  Every emitted token is then
+distributed exactly as in :func:`decoding.vanilla.sample_generate` (tested statistically).
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from decoding.sampling import sample, verify_draft, warp
 from decoding.vanilla import check_generate_args
 from decoding.verify import new_cache, prefill
 
@@ -112,6 +119,7 @@ class _Token:
     h: torch.Tensor   # [H] hs[depth]
     draft: int | None = None
     draft_layer: int | None = None
+    draft_q: torch.Tensor | None = None  # [V] float32 proposal the draft was sampled from (τ > 0)
 
 
 class AdaDecodeDecoder:
@@ -125,13 +133,17 @@ class AdaDecodeDecoder:
         gamma_schedule: per-layer thresholds aligned with ``head.layers`` (overrides ``gamma``).
         max_inflight: cap on in-flight tokens (>= 1; 1 disables early exit); None = head config.
         eos_token_ids: stop ids; None = the model's generation-config / config eos id(s).
+        temperature: 0 = greedy (token-for-token equal to vanilla greedy decoding); > 0 = lossless
+            sampling at this temperature (distributed as :func:`decoding.vanilla.sample_generate`).
+        seed: seed of the decoder's ``torch.Generator`` (all sampling randomness; τ > 0 only).
 
     Raises:
-        ValueError: a schedule of the wrong length, or ``max_inflight`` < 1.
+        ValueError: a schedule of the wrong length, ``max_inflight`` < 1, or ``temperature`` < 0.
     """
 
     def __init__(self, base_model, head, gamma: float | None = None, gamma_schedule: Sequence[float] | None = None,
-                 max_inflight: int | None = None, eos_token_ids: Iterable[int] | None = None) -> None:
+                 max_inflight: int | None = None, eos_token_ids: Iterable[int] | None = None,
+                 temperature: float = 0.0, seed: int = 0) -> None:
         self.model = base_model
         inner = _inner(base_model)
         self.embed = inner.embed_tokens
@@ -159,6 +171,11 @@ class AdaDecodeDecoder:
             src = base_model.config.eos_token_id if src is None else src
             eos_token_ids = [] if src is None else (src if isinstance(src, (list, tuple)) else [src])
         self.eos = {int(e) for e in eos_token_ids}
+        self.temperature = float(temperature or 0.0)
+        if self.temperature < 0:
+            raise ValueError(f"temperature={temperature!r} must be >= 0 (0 = greedy)")
+        self.generator = torch.Generator(device=p.device)
+        self.generator.manual_seed(int(seed))
         self.last_cache = None
 
     # -- pieces --------------------------------------------------------------------------------
@@ -168,11 +185,18 @@ class AdaDecodeDecoder:
 
     def propose(self, layer: int, h: torch.Tensor, token: _Token) -> int | None:
         """The early-exit decision at candidate ``layer`` for the newest token (hidden h [H]):
-        its head's argmax if max softmax ≥ γ_ℓ, else None.  (Tests override this to plant drafts.)"""
+        None if the head's max softmax < γ_ℓ; else its argmax (τ = 0), or a sample from the
+        tempered head distribution q (τ > 0), which is stored as ``token.draft_q`` for
+        verification.  (Tests override this to plant drafts.)"""
         z = self.head_logits(layer, h).float()
         zmax, arg = z.max(-1)
         conf = torch.exp(zmax - torch.logsumexp(z, -1))
-        return int(arg) if float(conf) >= self.gammas[layer] else None
+        if float(conf) < self.gammas[layer]:
+            return None
+        if self.temperature == 0:
+            return int(arg)
+        token.draft_q = warp(z, self.temperature)
+        return sample(token.draft_q, self.generator)
 
     def _start(self, token_id: int, pos: int, gen: int) -> _Token:
         ids = torch.tensor([token_id], device=self.embed.weight.device)
@@ -198,7 +222,9 @@ class AdaDecodeDecoder:
         prompt_ids = check_generate_args(prompt_ids, max_new_tokens)
         t0 = time.perf_counter()
         L = self.L
-        cache, first, _ = prefill(self.model, prompt_ids)
+        cache, first, hidden = prefill(self.model, prompt_ids)
+        if self.temperature > 0:
+            first = sample(warp(self.lm_head(hidden[-1]), self.temperature), self.generator)
         P = int(prompt_ids.numel())
         out = [first]
         st = {"layer_steps": 0, "token_layer_computations": 0, "early_exits": 0, "accepted_exits": 0,
@@ -264,7 +290,8 @@ class AdaDecodeDecoder:
         judged = tot["accepted_exits"] + tot["rejected_exits"]
         per_tok = tot["layer_steps"] / steps_base if steps_base else None
         tot.update({
-            "discarded_exits": tot["early_exits"] - judged, "gammas": {str(l): g for l, g in self.gammas.items()}, "max_inflight": self.max_inflight,
+            "discarded_exits": tot["early_exits"] - judged, "gammas": {str(l): g for l, g in self.gammas.items()},
+            "max_inflight": self.max_inflight, "temperature": self.temperature,
             "early_exit_rate": tot["accepted_exits"] / tot["new_tokens"] if tot["new_tokens"] else None,
             "rejection_rate": tot["rejected_exits"] / judged if judged else None,
             "layer_steps_per_token": per_tok, "vanilla_layer_steps_per_token": self.L,
@@ -272,17 +299,31 @@ class AdaDecodeDecoder:
         })
         return tot
 
+    def _target(self, logits: torch.Tensor, t: _Token) -> tuple[int, bool]:
+        """The token emitted after in-flight token ``t`` from its full-model logits [V], and
+        whether ``t``'s draft was accepted: greedy (argmax, METHODS §4.1) or, at τ > 0, the chain
+        rule of §4.2 against the stored proposal (a sample from p* when ``t`` has no draft)."""
+        if self.temperature == 0:
+            f = int(logits.argmax())
+            return f, t.draft is not None and t.draft == f
+        p = warp(logits, self.temperature)
+        if t.draft is None:
+            return sample(p, self.generator), False
+        if t.draft_q is None:
+            raise RuntimeError("a draft without its proposal distribution at temperature > 0")
+        return verify_draft(p, t.draft_q, t.draft, self.generator)
+
     def _verify(self, inflight: list[_Token], cache, out: list[int], st: dict, max_new_tokens: int) -> list[_Token]:
-        """All in-flight tokens are at depth L: verify the draft chain (greedy, METHODS §4.1),
-        roll back on the first mismatch, emit; return the new in-flight list ([] = finished)."""
+        """All in-flight tokens are at depth L: verify the draft chain (greedy §4.1 or sampling
+        §4.2), roll back on the first rejection, emit; return the new in-flight list ([] = finished)."""
         if any(t.depth != self.L for t in inflight):
             raise RuntimeError("verification with tokens below the last layer (bookkeeping bug)")
         h = torch.stack([t.h for t in inflight])
-        full = self.lm_head(self.norm(h)).argmax(-1).tolist()
+        logits = self.lm_head(self.norm(h))
         last = inflight[-1]
         for i, t in enumerate(inflight):
-            f = int(full[i])
-            if t.draft is not None and t.draft == f:
+            f, accepted = self._target(logits[i], t)
+            if accepted:
                 st["accepted_exits"] += 1
                 st[f"accepted_l{t.draft_layer}"] += 1
                 out.append(f)

@@ -10,7 +10,7 @@ from typing import Iterable
 
 import torch
 
-from decoding.verify import base_forward, prefill
+from decoding.verify import base_forward, new_cache, prefill
 
 
 def eos_token_ids(tokenizer=None, base_model=None) -> list[int]:
@@ -64,6 +64,37 @@ def greedy_generate(base_model, prompt_ids: torch.Tensor, max_new_tokens: int,
         logits, _ = base_forward(base_model, torch.tensor([token]), cache)
         forwards += 1
         token = int(logits[-1].argmax())
+        out.append(token)
+    seconds = time.perf_counter() - t0
+    return out, {"new_tokens": len(out), "base_forwards": forwards, "prefill_forwards": 1, "seconds": seconds}
+
+
+@torch.no_grad()
+def sample_generate(base_model, prompt_ids: torch.Tensor, max_new_tokens: int, eos_token_ids: Iterable[int] = (),
+                    temperature: float = 1.0, generator: torch.Generator | None = None) -> tuple[list[int], dict]:
+    """KV-cached ancestral sampling of one prompt: x_t ~ softmax(logits_t / temperature).
+
+    The distribution every lossless sampling decoder must reproduce (METHODS.md §4.2); same
+    arguments, stop rule and stats as :func:`greedy_generate`, plus ``temperature`` (> 0) and the
+    ``generator`` that supplies all randomness.
+
+    Raises:
+        ValueError: bad ``prompt_ids``, ``max_new_tokens`` or ``temperature``.
+    """
+    from decoding.sampling import sample, warp
+
+    prompt_ids = check_generate_args(prompt_ids, max_new_tokens)
+    eos = set(int(e) for e in eos_token_ids)
+    t0 = time.perf_counter()
+    cache = new_cache(base_model)
+    logits, _ = base_forward(base_model, prompt_ids, cache)
+    token = sample(warp(logits[-1], temperature), generator)
+    out = [token]
+    forwards = 0
+    while token not in eos and len(out) < max_new_tokens:
+        logits, _ = base_forward(base_model, torch.tensor([token]), cache)
+        forwards += 1
+        token = sample(warp(logits[-1], temperature), generator)
         out.append(token)
     seconds = time.perf_counter() - t0
     return out, {"new_tokens": len(out), "base_forwards": forwards, "prefill_forwards": 1, "seconds": seconds}

@@ -9,6 +9,12 @@ outputs must match token for token (issue 3, "Output parity").  The method's dec
 * a :class:`decoding.speculative.Drafter`, wrapped in :class:`decoding.speculative.SpeculativeDecoder`,
 * or, for ``eval.checkpoint=oracle|random``, a reference drafter (:mod:`decoding.reference`).
 
+With ``eval.temperature`` > 0 the reference is vanilla ancestral sampling
+(:func:`decoding.vanilla.sample_generate`) and the method must sample too (AdaDecode does; the
+tree decoders are greedy-only and refuse).  Samples cannot be compared token for token, so the
+report's parity is marked unchecked; losslessness in distribution is what
+``tests/test_adadecode_sampling.py`` tests.  Speed, τ and exit/rejection rates are still reported.
+
 Outputs in the run directory: ``config.yaml`` (resolved), ``report.json``, ``acceptance.png``.
 """
 from __future__ import annotations
@@ -28,7 +34,7 @@ from core.config import save_config, to_container
 from core.io import atomic_write_bytes, atomic_write_json
 from decoding.reference import OracleDrafter, RandomDrafter
 from decoding.speculative import Decoder, Drafter, SpeculativeDecoder
-from decoding.vanilla import eos_token_ids, greedy_generate
+from decoding.vanilla import eos_token_ids, greedy_generate, sample_generate
 from evaluation.metrics import TAU_CONVENTION, summarize_method
 from evaluation.prompts import load_prompts
 
@@ -86,6 +92,7 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
         head.to(device).eval()
         head.requires_grad_(False)
         kwargs = {k: v for k, v in to_container(ev).items()}
+        kwargs["seed"] = int(cfg.get("seed") or 0)  # sampling decoders (temperature > 0)
         obj = head.make_drafter(base_model, eos_token_ids=list(eos_ids), **kwargs)
         info.update(head_type=meta["head_type"], head_config=meta.get("head"), checkpoint_extra=meta.get("extra", {}),
                     head_parameters=int(sum(p.numel() for p in head.parameters())))
@@ -135,8 +142,7 @@ def plot(report: dict[str, Any]) -> bytes:
     ax2.axvline(1.0, color="k", lw=0.8)
     ax2.set_title(f"per-prompt speedup (overall {report['speedup']:.2f}x)" if report.get("speedup") else "per-prompt speedup")
     ax2.set_xlabel("method tokens/s ÷ vanilla tokens/s")
-    fig.suptitle(f"{report['head_type']} — {report['num_prompts']} prompts, parity "
-                 f"{report['parity']['matched']}/{report['parity']['total']}")
+    fig.suptitle(f"{report['head_type']} — {report['num_prompts']} prompts, parity {parity_text(report)}")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
@@ -200,12 +206,26 @@ def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
     return out
 
 
+def parity_text(report: dict[str, Any]) -> str:
+    """``"matched/total"``, or why parity was not checked (sampling)."""
+    par = report["parity"]
+    if par.get("checked", True):
+        return f"{par['matched']}/{par['total']}"
+    return f"not checked ({par['reason']})"
+
+
 def _report(info, identity, device, model, ev, prompts, skipped, max_new, eos_ids, vanilla, stats, seconds,
             tokens, rows, decoder, out_dir) -> dict[str, Any]:
     method = summarize_method(stats, tokens, seconds)
     if hasattr(decoder, "summarize"):
         method["decoder_summary"] = decoder.summarize(stats)
-    mismatches = [r["id"] for r in rows if not r["match"]]
+    mismatches = [r["id"] for r in rows if r["match"] is False]
+    temperature = float(ev.get("temperature") or 0.0)
+    parity = {"matched": len(prompts) - len(mismatches), "total": len(prompts), "mismatched_ids": mismatches,
+              "checked": temperature == 0}
+    if temperature > 0:
+        parity.update(matched=None, reason=f"temperature {temperature:g}: outputs are samples; lossless in "
+                                           "distribution (tests/test_adadecode_sampling.py)")
     return {
         "head_type": info["head_type"], "decoder": info["decoder"], "checkpoint": info["checkpoint"], "info": info,
         "base": identity.to_dict() if hasattr(identity, "to_dict") else str(identity),
@@ -219,7 +239,8 @@ def _report(info, identity, device, model, ev, prompts, skipped, max_new, eos_id
                                     "method": method.get("base_forwards_per_token")},
         "drafter_passes_per_step": method.get("drafter_passes_per_step"),
         "speedup": (method["tokens_per_s"] / vanilla["tokens_per_s"]) if method.get("tokens_per_s") and vanilla["tokens_per_s"] else None,
-        "parity": {"matched": len(prompts) - len(mismatches), "total": len(prompts), "mismatched_ids": mismatches},
+        "parity": parity,
+        "temperature": temperature,
         "vanilla": vanilla, "method": method, "per_prompt": rows,
         "output_dir": str(out_dir),
     }
@@ -274,6 +295,20 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         for name, vcfg in variants:
             dec, info = build_decoder(vcfg, model, eos_ids, device)
             methods.append((name, vcfg, dec, info))
+    temperature = float(ev.get("temperature") or 0.0)
+    if temperature > 0:
+        for name, _, dec, info in methods:
+            if float(getattr(dec, "temperature", 0.0) or 0.0) != temperature:
+                raise ValueError(f"eval.temperature={temperature:g} needs a sampling decoder, but {info['decoder']}"
+                                 f"{f' [{name}]' if name else ''} decodes greedily only (heads=adadecode samples)")
+    sampler = torch.Generator(device=device)
+    sampler.manual_seed(int(cfg.get("seed") or 0))
+
+    def reference(ids, n):
+        if temperature > 0:
+            return sample_generate(model, ids, n, eos_ids, temperature, sampler)
+        return greedy_generate(model, ids, n, eos_ids)
+
     prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, tokenizer)
     info0 = methods[0][3] if len(methods) == 1 else {"head_type": str(methods[0][3]["head_type"]) + "-variants"}
     out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, info0)
@@ -285,7 +320,7 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
              max_new, device, out_dir)
 
     for _ in range(int(ev.get("warmup") or 0)):  # untimed: allocator, kernels, lazy imports
-        greedy_generate(model, prompts[0].input_ids, min(8, max_new), eos_ids)
+        reference(prompts[0].input_ids, min(8, max_new))
         for m in methods:
             m[2].generate(prompts[0].input_ids, min(8, max_new))
 
@@ -294,7 +329,7 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     for i, p in enumerate(prompts):
         _sync(device)
         t0 = time.perf_counter()
-        ref, vstats = greedy_generate(model, p.input_ids, max_new, eos_ids)
+        ref, vstats = reference(p.input_ids, max_new)
         _sync(device)
         t1 = time.perf_counter()
         van_tokens += len(ref)
@@ -307,9 +342,9 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
             _sync(device)
             t3 = time.perf_counter()
             out = [int(t) for t in out]
-            match = out == ref
+            match = (out == ref) if temperature == 0 else None
             first_diff = None
-            if not match:
+            if match is False:
                 first_diff = next((j for j, (x, y) in enumerate(zip(out, ref)) if x != y), min(len(out), len(ref)))
             a["tokens"] += len(out)
             a["seconds"] += t3 - t2
@@ -321,12 +356,12 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
                    "speedup": ((t1 - t0) / len(ref)) / ((t3 - t2) / len(out)) if out and ref and t3 > t2 else None,
                    "tau": (sum(emitted) / len(emitted)) if emitted else None,
                    "stats": {k: v for k, v in mstats.items() if k != "emitted_per_step"}}
-            if not match:
+            if match is False:
                 row["vanilla_output"], row["method_output"] = ref, out
             a["rows"].append(row)
             log.info("[%d/%d] %s%s: %d tokens, tau=%s, %s", i + 1, len(prompts), p.id, f" [{name}]" if name else "",
                      len(out), f"{row['tau']:.2f}" if row["tau"] else "-",
-                     "match" if match else f"MISMATCH at {first_diff}")
+                     "sampled" if match is None else "match" if match else f"MISMATCH at {first_diff}")
 
     vanilla = {"tokens": van_tokens, "seconds": van_seconds, "tokens_per_s": van_tokens / van_seconds if van_seconds else None,
                "base_forwards_per_token": van_forwards / van_tokens if van_tokens else None}
@@ -364,7 +399,7 @@ def summary_row(name: str | None, report: dict[str, Any]) -> dict[str, Any]:
             "base_forwards_per_token": report["base_forwards_per_token"]["method"],
             "tokens_per_s": m.get("tokens_per_s"), "speedup": report.get("speedup"),
             "drafter_time_share": m.get("drafter_time_share"),
-            "parity": f"{report['parity']['matched']}/{report['parity']['total']}",
+            "parity": parity_text(report),
             "decoder_summary": m.get("decoder_summary")}
 
 
@@ -376,7 +411,7 @@ def format_summary(report: dict[str, Any]) -> str:
     lines = [
         f"decoder: {report['decoder']}  ({report['num_prompts']} prompts, max_new_tokens={report['max_new_tokens']}, "
         f"{report['device']}, {report['dtype']})",
-        f"parity: {report['parity']['matched']}/{report['parity']['total']}",
+        f"parity: {parity_text(report)}",
         f"tau (bonus incl.): {fmt(report.get('tau'))}   drafter passes/step: {fmt(report.get('drafter_passes_per_step'), '{:.2f}')}",
         "acceptance per depth: " + (" ".join(fmt(a, "{:.2f}") for a in acc) if acc else "-"),
         f"base forwards/token: vanilla {fmt(v['base_forwards_per_token'])}, method {fmt(m.get('base_forwards_per_token'))}",

@@ -305,11 +305,14 @@ class AdaDecodeHead(DraftHead):
         """The lossless adaptive layer-parallel decoder (:class:`decoding.adadecode.AdaDecodeDecoder`).
 
         Accepts every key of the ``eval`` section; uses ``eos_token_ids`` if given, and the
-        optional overrides ``gamma`` / ``gamma_schedule`` / ``max_inflight`` (else the head config).
+        optional overrides ``gamma`` / ``gamma_schedule`` / ``max_inflight`` (else the head config),
+        and ``temperature`` / ``seed`` (τ > 0: lossless sampling, METHODS §3.4).
         """
         from decoding.adadecode import AdaDecodeDecoder
 
         return AdaDecodeDecoder(base_model, self, gamma=kwargs.get("gamma"),
                                 gamma_schedule=kwargs.get("gamma_schedule"),
                                 max_inflight=kwargs.get("max_inflight"),
-                                eos_token_ids=kwargs.get("eos_token_ids"))
+                                eos_token_ids=kwargs.get("eos_token_ids"),
+                                temperature=float(kwargs.get("temperature") or 0.0),
+                                seed=int(kwargs.get("seed") or 0))

@@ -63,7 +63,7 @@ def test_train_then_evaluate(varied_base, tmp_path):
                              "eval.max_new_tokens=24", "eval.gamma=0.0", "eval.max_inflight=3", "eval.warmup=0",
                              f"eval.output_dir={tmp_path / 'eval'}"])
     report = run_evaluation(ecfg, base=base)
-    assert report["parity"] == {"matched": 3, "total": 3, "mismatched_ids": []}
+    assert report["parity"] == {"matched": 3, "total": 3, "mismatched_ids": [], "checked": True}
     summary = report["method"]["decoder_summary"]
     assert summary["early_exits"] > 0 and summary["gammas"] == {"1": 0.0, "2": 0.0, "3": 0.0}
     assert summary["max_inflight"] == 3

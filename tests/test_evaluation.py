@@ -63,7 +63,7 @@ def test_cli_oracle_report(tiny_model_dir, tmp_path, prompts_file, capsys):
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     assert "checkpoint: oracle" in (out / "config.yaml").read_text()
     rep = json.loads((out / "report.json").read_text())
-    assert rep["parity"] == {"matched": 3, "total": 3, "mismatched_ids": []}
+    assert rep["parity"] == {"matched": 3, "total": 3, "mismatched_ids": [], "checked": True}
     assert [p["id"] for p in rep["per_prompt"]] == ["81", "p2", "line3"]
     for p in rep["per_prompt"]:
         assert p["match"] and p["method_tokens"] == p["vanilla_tokens"]
@@ -190,5 +190,30 @@ def test_untrained_registered_heads_keep_parity(tiny_base, tiny_model_dir, tmp_p
     built = heads.build(cfg.heads, tiny_base[0])
     heads.save(built, tmp_path / "ckpt", tiny_base[2].to_dict())
     rep = run_evaluation(cfg, base=tiny_base)
-    assert rep["parity"] == {"matched": 2, "total": 2, "mismatched_ids": []}
+    assert rep["parity"] == {"matched": 2, "total": 2, "mismatched_ids": [], "checked": True}
     assert rep["head_type"] == cfg.heads.type
+
+
+def test_sampling_evaluation_reports_exits_and_marks_parity_unchecked(tiny_base, tiny_model_dir, tmp_path,
+                                                                       prompts_file, capsys):
+    """eval.temperature > 0: AdaDecode samples against vanilla ancestral sampling (same seed, same run);
+    the tree decoders are greedy-only and refuse with a clear error."""
+    import heads
+
+    common = ["heads=adadecode", "heads.layers=[1,2]", f"checkpoint={tmp_path / 'ckpt'}", f"eval.prompts={prompts_file}",
+              "eval.num_prompts=2", "eval.temperature=0.9", "eval.gamma=0.0"]
+    cfg = compose(rewrite_argv(_argv(tiny_model_dir, tmp_path, *common)))
+    heads.save(heads.build(cfg.heads, tiny_base[0]), tmp_path / "ckpt", tiny_base[2].to_dict())
+    assert main(_argv(tiny_model_dir, tmp_path, *common)) == 0
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["temperature"] == 0.9 and rep["parity"]["checked"] is False and rep["parity"]["matched"] is None
+    assert all(p["match"] is None for p in rep["per_prompt"])
+    summary = rep["method"]["decoder_summary"]
+    assert summary["temperature"] == 0.9 and summary["early_exits"] > 0  # γ = 0: every token exits early
+    assert "parity: not checked (temperature 0.9" in capsys.readouterr().out
+
+    rc = main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", f"eval.prompts={prompts_file}", "eval.temperature=0.5"))
+    assert rc == 2 and "decodes greedily only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", "eval.temperature=-1"))
+    assert exc.value.code == 2 and "eval.temperature=-1" in capsys.readouterr().err
