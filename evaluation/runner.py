@@ -20,7 +20,9 @@ Outputs in the run directory: ``config.yaml`` (resolved), ``report.json``, ``acc
 from __future__ import annotations
 
 import io
+import json
 import logging
+import os
 import re
 import time
 from datetime import datetime, timezone
@@ -31,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from core.config import save_config, to_container
-from core.io import atomic_write_bytes, atomic_write_json
+from core.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from decoding.reference import OracleDrafter, RandomDrafter
 from decoding.speculative import Decoder, Drafter, SpeculativeDecoder
 from decoding.vanilla import eos_token_ids, greedy_generate, sample_generate
@@ -246,6 +248,94 @@ def _report(info, identity, device, model, ev, prompts, skipped, max_new, eos_id
     }
 
 
+def _decode_prompt(p, reference, decoders, max_new: int, device) -> dict[str, Any]:
+    """Vanilla, then every decoder, on one prompt (timed separately): a JSON-safe record."""
+    _sync(device)
+    t0 = time.perf_counter()
+    ref, vstats = reference(p.input_ids, max_new)
+    _sync(device)
+    rec = {"id": p.id, "vanilla": {"tokens": [int(t) for t in ref], "stats": vstats,
+                                   "seconds": time.perf_counter() - t0}, "methods": []}
+    for dec in decoders:
+        _sync(device)
+        t0 = time.perf_counter()
+        out, mstats = dec.generate(p.input_ids, max_new)
+        _sync(device)
+        rec["methods"].append({"tokens": [int(t) for t in out], "stats": mstats, "seconds": time.perf_counter() - t0})
+    return rec
+
+
+def progress_fingerprint(cfg: DictConfig) -> str:
+    """Hash of everything that determines an evaluation's per-prompt results (not where they go):
+    the model, heads, prompt and eval settings, the seed, and each checkpoint's weights file."""
+    from core.io import sha256_file, sha256_json
+
+    ev = dict(to_container(cfg.eval))
+    for k in ("output_dir", "threads", "warmup", "fail_on_mismatch"):
+        ev.pop(k, None)
+    weights = {}  # a retrained checkpoint at the same path must not reuse old results
+    for c in [ev.get("checkpoint")] + [v.get("checkpoint") for v in (ev.get("variants") or []) if isinstance(v, dict)]:
+        if c is not None and (Path(str(c)) / "model.safetensors").is_file():
+            weights[str(c)] = sha256_file(Path(str(c)) / "model.safetensors")
+    return sha256_json({"weights": weights, "model": to_container(cfg.model) if "model" in cfg else None,
+                        "heads": to_container(cfg.heads) if "heads" in cfg else None,
+                        "data": to_container(cfg.data) if "data" in cfg and not ev.get("prompts") else None,
+                        "eval": ev, "seed": cfg.get("seed")})
+
+
+class Progress:
+    """Per-prompt results appended to ``progress.jsonl`` as they finish, so an interrupted
+    evaluation resumes (``resume=auto``) without decoding finished prompts again.
+
+    Line 1 is ``{"fingerprint": ...}`` (:func:`progress_fingerprint`); every further line is one
+    prompt's record (vanilla and method tokens, stats, seconds).  Each line is flushed and fsynced;
+    a torn last line (a crash mid-write) is ignored.
+
+    Raises:
+        ValueError: the file holds results but ``resume`` is not ``auto`` (nothing is overwritten),
+            ``resume`` has another value, or the file was written under a different configuration.
+    """
+
+    def __init__(self, path: Path, fingerprint: str, resume) -> None:
+        self.path, self.records = path, {}
+        if resume not in (None, "auto"):
+            raise ValueError(f"resume={resume!r}: evaluation takes resume=auto (continue {path.name} in "
+                             "eval.output_dir) or nothing")
+        if path.is_file() and path.stat().st_size:
+            lines = path.read_text().split("\n")
+            try:
+                head = json.loads(lines[0])
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: unreadable header ({exc}); move it away to start over") from exc
+            if resume != "auto":
+                raise ValueError(f"{path} already holds results of {max(len([x for x in lines[1:] if x]), 0)} prompt(s): "
+                                 "pass resume=auto to continue them, or choose another eval.output_dir")
+            if head.get("fingerprint") != fingerprint:
+                raise ValueError(f"{path} was written under a different model/heads/eval configuration; "
+                                 "resume with the same settings, or choose another eval.output_dir")
+            for k, line in enumerate(lines[1:], start=2):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    if k == len(lines) or all(not x.strip() for x in lines[k:]):
+                        break  # torn final line: that prompt is decoded again
+                    raise ValueError(f"{path}:{k}: corrupt record; move the file away to start over")
+                self.records[str(rec["id"])] = rec
+            good = [lines[0]] + [json.dumps(r) for r in self.records.values()]
+            atomic_write_text(path, "\n".join(good) + "\n")  # drop a torn tail before appending
+        else:
+            atomic_write_text(path, json.dumps({"fingerprint": fingerprint}) + "\n")
+
+    def append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.records[str(record["id"])] = record
+
+
 @torch.no_grad()
 def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     """Run the evaluation described by ``cfg`` and write the outputs.
@@ -324,36 +414,34 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         for m in methods:
             m[2].generate(prompts[0].input_ids, min(8, max_new))
 
+    progress = Progress(out_dir / "progress.jsonl", progress_fingerprint(cfg), cfg.get("resume"))
+    if progress.records:
+        log.info("resuming: %d of %d prompts already decoded in %s", len(progress.records), len(prompts), progress.path)
     van_tokens = van_seconds = van_forwards = 0
     acc = [{"stats": [], "rows": [], "tokens": 0, "seconds": 0.0} for _ in methods]
     for i, p in enumerate(prompts):
-        _sync(device)
-        t0 = time.perf_counter()
-        ref, vstats = reference(p.input_ids, max_new)
-        _sync(device)
-        t1 = time.perf_counter()
+        rec = progress.records.get(p.id)
+        if rec is None:
+            rec = _decode_prompt(p, reference, [m[2] for m in methods], max_new, device)
+            progress.append(rec)
+        ref, vstats, v_sec = rec["vanilla"]["tokens"], rec["vanilla"]["stats"], rec["vanilla"]["seconds"]
         van_tokens += len(ref)
-        van_seconds += t1 - t0
+        van_seconds += v_sec
         van_forwards += vstats["base_forwards"] + vstats["prefill_forwards"]
-        for (name, _, dec, _), a in zip(methods, acc):
-            _sync(device)
-            t2 = time.perf_counter()
-            out, mstats = dec.generate(p.input_ids, max_new)
-            _sync(device)
-            t3 = time.perf_counter()
-            out = [int(t) for t in out]
+        for (name, _, _, _), a, m in zip(methods, acc, rec["methods"]):
+            out, mstats, m_sec = m["tokens"], m["stats"], m["seconds"]
             match = (out == ref) if temperature == 0 else None
             first_diff = None
             if match is False:
                 first_diff = next((j for j, (x, y) in enumerate(zip(out, ref)) if x != y), min(len(out), len(ref)))
             a["tokens"] += len(out)
-            a["seconds"] += t3 - t2
+            a["seconds"] += m_sec
             a["stats"].append(mstats)
             emitted = mstats.get("emitted_per_step")
             row = {"id": p.id, "prompt_tokens": int(p.input_ids.numel()), "vanilla_tokens": len(ref),
                    "method_tokens": len(out), "match": match, "first_mismatch": first_diff,
-                   "vanilla_seconds": t1 - t0, "method_seconds": t3 - t2,
-                   "speedup": ((t1 - t0) / len(ref)) / ((t3 - t2) / len(out)) if out and ref and t3 > t2 else None,
+                   "vanilla_seconds": v_sec, "method_seconds": m_sec,
+                   "speedup": (v_sec / len(ref)) / (m_sec / len(out)) if out and ref and m_sec > 0 else None,
                    "tau": (sum(emitted) / len(emitted)) if emitted else None,
                    "stats": {k: v for k, v in mstats.items() if k != "emitted_per_step"}}
             if match is False:

@@ -14,5 +14,5 @@ export WANDB_MODE=${WANDB_MODE:-offline}
 "$PY" -m train heads=ctc train.run_name=demo resume=auto \
   train.max_steps=150 train.val_every_n_steps=50 train.scheduler.warmup_steps=20 train.optimizer.lr=3e-4 "$@"
 "$PY" -m evaluation heads=ctc checkpoint=outputs/runs/ctc/demo/best \
-  eval.num_prompts=8 eval.max_new_tokens=64 eval.output_dir=outputs/eval/demo "$@"
+  eval.num_prompts=8 eval.max_new_tokens=64 eval.output_dir=outputs/eval/demo resume=auto "$@"
 echo "demo done: cache in outputs/cache, run in outputs/runs/ctc/demo, report in outputs/eval/demo/report.json"

@@ -151,7 +151,8 @@ def test_parity_failure_names_prompt_and_exits_nonzero(tiny_base, tiny_model_dir
     # the CLI turns it into exit status 1
     monkeypatch.setattr(runner, "build_decoder", lambda cfg, model, eos, dev: (_CorruptOne(model, bad.bad_len), {
         "checkpoint": "x", "head_type": "custom", "decoder": "_CorruptOne"}))
-    assert main(_argv(tiny_model_dir, tmp_path, "checkpoint=x", f"eval.prompts={prompts_file}")) == 1
+    assert main(_argv(tiny_model_dir, tmp_path, "checkpoint=x", f"eval.prompts={prompts_file}",
+                      f"eval.output_dir={tmp_path / 'out2'}")) == 1
 
 
 def test_non_tree_decoder_and_sharegpt_heldout_prompts(tiny_base, tiny_model_dir, tmp_path):
@@ -217,3 +218,55 @@ def test_sampling_evaluation_reports_exits_and_marks_parity_unchecked(tiny_base,
     with pytest.raises(SystemExit) as exc:
         main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", "eval.temperature=-1"))
     assert exc.value.code == 2 and "eval.temperature=-1" in capsys.readouterr().err
+
+
+class _Counting(VanillaDecoder):
+    """Counts generate calls; raises on call number ``crash_at`` (a crash mid-evaluation)."""
+
+    def __init__(self, base_model, crash_at=None):
+        super().__init__(base_model)
+        self.calls, self.crash_at = 0, crash_at
+
+    def generate(self, prompt_ids, max_new_tokens):
+        self.calls += 1
+        if self.calls == self.crash_at:
+            raise RuntimeError("simulated crash")
+        return super().generate(prompt_ids, max_new_tokens)
+
+
+def test_interrupted_evaluation_resumes_without_redecoding(tiny_base, tiny_model_dir, tmp_path, prompts_file):
+    argv = _argv(tiny_model_dir, tmp_path, "checkpoint=custom", f"eval.prompts={prompts_file}")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_evaluation(compose(rewrite_argv(argv)), base=tiny_base, decoder=_Counting(tiny_base[0], crash_at=3))
+    progress = tmp_path / "out" / "progress.jsonl"
+    lines = progress.read_text().splitlines()
+    assert len(lines) == 3 and [json.loads(x)["id"] for x in lines[1:]] == ["81", "p2"]
+    assert not (tmp_path / "out" / "report.json").exists()
+    with progress.open("a") as f:
+        f.write('{"id": "line3", "vanilla": {"tok')  # a torn write: that prompt is decoded again
+
+    with pytest.raises(ValueError, match="pass resume=auto"):  # nothing written is overwritten
+        run_evaluation(compose(rewrite_argv(argv)), base=tiny_base, decoder=_Counting(tiny_base[0]))
+    with pytest.raises(ValueError, match="different model/heads/eval configuration"):
+        run_evaluation(compose(rewrite_argv(argv + ["resume=auto", "eval.max_new_tokens=5"])), base=tiny_base,
+                       decoder=_Counting(tiny_base[0]))
+    dec = _Counting(tiny_base[0])
+    rep = run_evaluation(compose(rewrite_argv(argv + ["resume=auto"])), base=tiny_base, decoder=dec)
+    assert dec.calls == 1  # only the unfinished prompt
+    assert rep["parity"]["matched"] == 3 and [r["id"] for r in rep["per_prompt"]] == ["81", "p2", "line3"]
+    assert rep["vanilla"]["tokens"] == sum(r["vanilla_tokens"] for r in rep["per_prompt"])
+    assert len(progress.read_text().splitlines()) == 4
+
+
+def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path):
+    from evaluation.runner import progress_fingerprint
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"v1")
+    fp = lambda *a: progress_fingerprint(compose(rewrite_argv([f"checkpoint={ckpt}", *a])))  # noqa: E731
+    base = fp()
+    assert fp("eval.output_dir=/elsewhere", "eval.threads=1") == base
+    assert fp("eval.max_new_tokens=7") != base
+    (ckpt / "model.safetensors").write_bytes(b"v2")  # retrained in place
+    assert fp() != base
