@@ -24,7 +24,7 @@ if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1
 fi
 
 HOST=$(hostname -s)
-CPUS=$(nproc)
+CPUS=$(nproc --all)
 MEM_MB=$(awk '/MemTotal/ {print int($2/1024) - 512}' /proc/meminfo)
 CONF_DIR=/etc/slurm
 SPOOL=/var/spool/slurmctld
@@ -91,8 +91,14 @@ fi
 
 # --- daemons ---------------------------------------------------------------------------------
 running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
-if [ "$CONF_CHANGED" = 1 ] && running /run/slurm/slurmctld.pid; then
-  scontrol reconfigure || true
+if [ "$CONF_CHANGED" = 1 ]; then
+  # node definitions (CPUs, memory) only take effect on a restart; `scontrol reconfigure` refuses them
+  for pidfile in /run/slurm/slurmd.pid /run/slurm/slurmctld.pid; do
+    if running "$pidfile"; then
+      kill "$(cat "$pidfile")"
+      for _ in $(seq 100); do running "$pidfile" || break; sleep 0.1; done
+    fi
+  done
 fi
 running /run/slurm/slurmctld.pid || /usr/sbin/slurmctld
 running /run/slurm/slurmd.pid || /usr/sbin/slurmd
