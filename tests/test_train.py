@@ -298,6 +298,15 @@ def test_train_loss_decreases_and_exports_roundtrip(tiny_base, tiny_cache, tmp_p
     # the last resume checkpoint resumes: Lightning restores the step and the optimizer
     last_ckpt = SafetensorsCheckpointIO().load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     assert last_ckpt["global_step"] == 24 and "rng_states" in last_ckpt
+    # a fresh run into the same directory refuses (nothing is overwritten); resume=auto is the way on
+    from core.config import UserInputError
+
+    before = (run_dir / "best" / "model.safetensors").read_bytes()
+    with pytest.raises(UserInputError, match=r"already holds a run \(best/model.safetensors, checkpoints/.*resume=auto"):
+        train(cfg, base=tiny_base)
+    assert (run_dir / "best" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == sorted(
+        p.name for p in (run_dir / "checkpoints").iterdir() if "-v" not in p.name)
     assert last_ckpt["optimizer_states"][0]["state"][0]["step"] == 24
 
 

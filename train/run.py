@@ -217,6 +217,7 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     Raises:
         FileNotFoundError: the cache (or one of its splits) does not exist.
         ValueError: the cache was made with a different base model (vocab / hidden size).
+        UserInputError: a fresh run (no ``resume``) would overwrite an existing run directory.
     """
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     if base is None:
@@ -233,6 +234,8 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     resume_path, resume_dir = resolve_resume(cfg, run_dir_for)  # resume=auto|<path>
     ckpt_path = ckpt_path or (str(resume_path) if resume_path else None)
     run_dir = resume_dir or run_dir_for(cfg)
+    if ckpt_path is None:
+        refuse_existing_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir)
     module = DraftHeadModule(cfg.heads, cfg.train, base_model=model)
@@ -244,6 +247,24 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     exports = export_checkpoints(trainer, module, ckpt_cb, run_dir, identity_dict, head=head)
     return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
             "exports": exports}
+
+
+def refuse_existing_run(run_dir: Path) -> None:
+    """Refuse to start a fresh run where a run already left checkpoints or exported heads.
+
+    Raises:
+        UserInputError: ``run_dir`` holds ``checkpoints/*.ckpt``, ``best/`` or ``last/`` (nothing
+            is overwritten; the message says to resume or rename).
+    """
+    from core.config import UserInputError
+
+    found = sorted(str(p.relative_to(run_dir)) for p in [*run_dir.glob("checkpoints/*.ckpt"),
+                                                          run_dir / "best" / "model.safetensors",
+                                                          run_dir / "last" / "model.safetensors"] if p.is_file())
+    if found:
+        raise UserInputError(f"run directory {run_dir} already holds a run ({', '.join(found[:3])}"
+                             f"{', ...' if len(found) > 3 else ''}): pass resume=auto to continue it, "
+                             "or choose another train.run_name")
 
 
 def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> CacheDataModule:
