@@ -153,6 +153,10 @@ def plot(report: dict[str, Any]) -> bytes:
 
 
 _NAME_OK = re.compile(r"[^A-Za-z0-9._=,+-]+")
+# eval keys that define the shared reference run (prompts, lengths, dtype, device, sampling), not a method
+SHARED_EVAL_KEYS = frozenset({"variants", "prompts", "prompt_field", "num_prompts", "max_new_tokens",
+                              "max_prompt_tokens", "dtype", "device", "threads", "warmup", "output_dir",
+                              "fail_on_mismatch", "temperature"})
 
 
 def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
@@ -169,8 +173,9 @@ def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
         ``[(name, cfg)]``: ``name`` is None when ``eval.variants`` is unset.
 
     Raises:
-        ValueError: a variant is not a mapping, overrides an unknown ``eval`` key (the key and the
-            variant index are named) or ``variants`` itself, or two variants share a name.
+        ValueError: a variant is not a mapping, overrides an unknown ``eval`` key or one shared by
+            the whole run (:data:`SHARED_EVAL_KEYS`: prompts, lengths, dtype, device, temperature...;
+            the key and the variant index are named), or two variants share a name.
     """
     from omegaconf import OmegaConf, open_dict
 
@@ -186,7 +191,11 @@ def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
         bad = sorted(k for k in v if k not in cfg.eval or k == "variants")
         if bad:
             raise ValueError(f"eval.variants[{i}]: unknown eval key(s) {', '.join(bad)}; valid: "
-                             f"{', '.join(sorted(k for k in cfg.eval if k != 'variants'))}")
+                             f"{', '.join(sorted(k for k in cfg.eval if k not in SHARED_EVAL_KEYS))}")
+        shared = sorted(k for k in v if k in SHARED_EVAL_KEYS)
+        if shared:
+            raise ValueError(f"eval.variants[{i}]: {', '.join(shared)} cannot differ between variants (one vanilla "
+                             f"pass serves them all); set eval.{shared[0]} for the whole run")
         if name is None:
             parts = []
             for k, val in v.items():
@@ -265,9 +274,10 @@ def _decode_prompt(p, reference, decoders, max_new: int, device) -> dict[str, An
     return rec
 
 
-def progress_fingerprint(cfg: DictConfig) -> str:
-    """Hash of everything that determines an evaluation's per-prompt results (not where they go):
-    the model, heads, prompt and eval settings, the seed, and each checkpoint's weights file."""
+def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, str]]:
+    """What determines an evaluation's per-prompt results (not where they go): a hash of the
+    model, heads, prompt and eval settings and the seed, and each checkpoint's weights-file SHA-256
+    (``{checkpoint path: sha256}``)."""
     from core.io import sha256_file, sha256_json
 
     ev = dict(to_container(cfg.eval))
@@ -277,26 +287,28 @@ def progress_fingerprint(cfg: DictConfig) -> str:
     for c in [ev.get("checkpoint")] + [v.get("checkpoint") for v in (ev.get("variants") or []) if isinstance(v, dict)]:
         if c is not None and (Path(str(c)) / "model.safetensors").is_file():
             weights[str(c)] = sha256_file(Path(str(c)) / "model.safetensors")
-    return sha256_json({"weights": weights, "model": to_container(cfg.model) if "model" in cfg else None,
+    return sha256_json({"model": to_container(cfg.model) if "model" in cfg else None,
                         "heads": to_container(cfg.heads) if "heads" in cfg else None,
                         "data": to_container(cfg.data) if "data" in cfg and not ev.get("prompts") else None,
-                        "eval": ev, "seed": cfg.get("seed")})
+                        "eval": ev, "seed": cfg.get("seed")}), weights
 
 
 class Progress:
     """Per-prompt results appended to ``progress.jsonl`` as they finish, so an interrupted
     evaluation resumes (``resume=auto``) without decoding finished prompts again.
 
-    Line 1 is ``{"fingerprint": ...}`` (:func:`progress_fingerprint`); every further line is one
+    Line 1 is ``{"fingerprint": ..., "weights": ...}`` (:func:`progress_fingerprint`); every further line is one
     prompt's record (vanilla and method tokens, stats, seconds).  Each line is flushed and fsynced;
     a torn last line (a crash mid-write) is ignored.
 
     Raises:
         ValueError: the file holds results but ``resume`` is not ``auto`` (nothing is overwritten),
-            ``resume`` has another value, or the file was written under a different configuration.
+            ``resume`` has another value, or the file was written under a different configuration or
+            different checkpoint weights.
     """
 
-    def __init__(self, path: Path, fingerprint: str, resume) -> None:
+    def __init__(self, path: Path, fingerprint: tuple[str, dict[str, str]], resume) -> None:
+        fingerprint, weights = fingerprint
         self.path, self.records = path, {}
         if resume not in (None, "auto"):
             raise ValueError(f"resume={resume!r}: evaluation takes resume=auto (continue {path.name} in "
@@ -310,6 +322,11 @@ class Progress:
             if resume != "auto":
                 raise ValueError(f"{path} already holds results of {max(len([x for x in lines[1:] if x]), 0)} prompt(s): "
                                  "pass resume=auto to continue them, or choose another eval.output_dir")
+            changed = sorted(c for c in set(weights) | set(head.get("weights") or {})
+                             if weights.get(c) != (head.get("weights") or {}).get(c))
+            if changed:
+                raise ValueError(f"{path}: the weights of checkpoint {', '.join(changed)} changed since these results "
+                                 "were written; evaluate them into another eval.output_dir")
             if head.get("fingerprint") != fingerprint:
                 raise ValueError(f"{path} was written under a different model/heads/eval configuration; "
                                  "resume with the same settings, or choose another eval.output_dir")
@@ -326,7 +343,7 @@ class Progress:
             good = [lines[0]] + [json.dumps(r) for r in self.records.values()]
             atomic_write_text(path, "\n".join(good) + "\n")  # drop a torn tail before appending
         else:
-            atomic_write_text(path, json.dumps({"fingerprint": fingerprint}) + "\n")
+            atomic_write_text(path, json.dumps({"fingerprint": fingerprint, "weights": weights}) + "\n")
 
     def append(self, record: dict[str, Any]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:

@@ -113,6 +113,8 @@ def test_variants_share_one_vanilla_pass(tiny_model_dir, tmp_path, prompts_file,
     ("[{gama: 0.5}]", r"variants\[0\]: unknown eval key\(s\) gama"),
     ("[{checkpoint: oracle}, {checkpoint: oracle}]", "duplicate variant name 'checkpoint=oracle'"),
     ("[oracle]", r"variants\[0\]='oracle': expected a non-empty mapping"),
+    ("[{name: a}, {name: b, max_new_tokens: 4}]", r"variants\[1\]: max_new_tokens cannot differ between variants"),
+    ("[{dtype: bfloat16, checkpoint: oracle}]", r"variants\[0\]: dtype cannot differ"),
 ])
 def test_bad_variants_are_clear_errors(tiny_model_dir, tmp_path, prompts_file, capsys, variants, message):
     rc = main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", f"eval.prompts={prompts_file}",
@@ -259,7 +261,7 @@ def test_interrupted_evaluation_resumes_without_redecoding(tiny_base, tiny_model
 
 
 def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path):
-    from evaluation.runner import progress_fingerprint
+    from evaluation.runner import Progress, progress_fingerprint
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -267,6 +269,11 @@ def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path)
     fp = lambda *a: progress_fingerprint(compose(rewrite_argv([f"checkpoint={ckpt}", *a])))  # noqa: E731
     base = fp()
     assert fp("eval.output_dir=/elsewhere", "eval.threads=1") == base
-    assert fp("eval.max_new_tokens=7") != base
+    assert fp("eval.max_new_tokens=7")[0] != base[0]
+    progress = Progress(tmp_path / "progress.jsonl", base, None)
+    progress.append({"id": "a", "vanilla": {}, "methods": []})
     (ckpt / "model.safetensors").write_bytes(b"v2")  # retrained in place
-    assert fp() != base
+    assert fp()[1] != base[1] and fp()[0] == base[0]
+    with pytest.raises(ValueError, match=f"weights of checkpoint {ckpt} changed"):
+        Progress(tmp_path / "progress.jsonl", fp(), "auto")
+    assert list(Progress(tmp_path / "progress.jsonl", base, "auto").records) == ["a"]
