@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -119,6 +120,8 @@ def compose(argv: Sequence[str] = ()) -> DictConfig:
             ) from None
         except OmegaConfBaseException as exc:
             raise ConfigError(f"bad override {item!r}: {exc}") from None
+        except yaml.YAMLError as exc:  # malformed value, e.g. an unclosed [ or {
+            raise ConfigError(f"bad override {item!r}: not a valid YAML value ({' '.join(str(exc).split())})") from None
     validate(base)
     return base
 
@@ -159,6 +162,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 def _core_checks(cfg: DictConfig) -> None:
     if "model" in cfg:
         check_choice(cfg, "model.dtype", DTYPES)
+        if OmegaConf.is_missing(cfg.model, "path"):
+            raise ConfigError("model.path is required with model=hf: a local Hugging Face folder, a hub id "
+                              "or a .gguf file (model=smollm2 uses the packaged SmolLM2)")
     if "labels" in cfg:
         check_choice(cfg, "labels", ("teacher_forced", "regenerate"))
 

@@ -164,6 +164,33 @@ def build_records(model, tokenizer, convs: Sequence[Conversation], *, labels_mod
     return items, dropped
 
 
+def refuse_different_cache(root: Path, cfg) -> None:
+    """Refuse to write into a cache directory prepared under other cache-defining settings.
+
+    Raises:
+        UserInputError: ``root/config.yaml`` exists and its ``model``/``data``/``prep``/``labels``
+            settings differ from ``cfg``'s (the differing keys are named; nothing is written).
+    """
+    from omegaconf import OmegaConf
+
+    old_path = Path(root) / "config.yaml"
+    if not old_path.is_file():
+        return
+    old = cache_mod.cache_defining_config(OmegaConf.load(old_path))
+    new = cache_mod.cache_defining_config(cfg)
+    if old == new:
+        return
+    diffs = []
+    for section in new:
+        a, b = old.get(section), new[section]
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"{section}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            diffs.append(f"{section}: {a!r} -> {b!r}")
+    raise UserInputError(f"cache {root} was prepared with other settings ({'; '.join(diffs[:4])}"
+                         f"{'; ...' if len(diffs) > 4 else ''}); use another prep.cache_dir, or the same settings to resume")
+
+
 def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = None, world: int | None = None,
             out=sys.stdout) -> dict[str, Any]:
     """Prepare (or resume) the cache for a composed config; return the summary.
@@ -177,6 +204,10 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     Returns:
         the summary dict (also ``<cache>/summary.json`` once every shard of both splits exists):
         conversations, tokens, assistant tokens, dropped by reason, bytes on disk, bytes per token.
+
+    Raises:
+        UserInputError: bad ``prep.layers``, a cache directory prepared under other settings, or no
+            usable conversation.
     """
     if model is None:
         from core.base_model import load_base_model
@@ -185,14 +216,15 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     if rank is None or world is None:
         rank, world = cache_mod.rank_world()
     root = cache_mod.default_cache_dir(cfg)
-    root.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, root)
     chash = cache_mod.cache_hash(cfg)
     L = int(model.config.num_hidden_layers)
     layers = sorted({int(l) for l in cfg.prep.layers})
-    if any(l >= L for l in layers):
-        raise ValueError(f"prep.layers={layers}: intermediate layer ids must be < L={L} "
-                         f"(hs[{L}], the final post-norm state, is always cached)")
+    if any(l >= L or l < 1 for l in layers):
+        raise UserInputError(f"prep.layers={layers}: intermediate layer ids must lie in [1, L={L}) "
+                             f"(hs[{L}], the final post-norm state, is always cached)")
+    refuse_different_cache(root, cfg)  # before anything is written there
+    root.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, root)
     dtype = cache_mod._TORCH_DTYPES[cfg.prep.dtype]
     data = read_split(cfg.data)
     S = int(cfg.prep.shard_size)

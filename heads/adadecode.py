@@ -129,6 +129,12 @@ class AdaDecodeHead(DraftHead):
         self.cfg["param_counts"] = self.parameter_report()
         log.info("adadecode heads at layers %s: %s", layers, self.cfg["param_counts"])
 
+
+    @property
+    def required_cache_layers(self) -> list[int]:
+        """The candidate exit layers: their hs[ℓ] must be in the cache (``prep.layers``)."""
+        return list(self.layers)
+
     def _per_layer(self, value, default: float) -> dict[int, float]:
         if value is None:
             return {layer: float(default) for layer in self.layers}

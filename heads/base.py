@@ -57,6 +57,12 @@ class DraftHead(nn.Module):
     monitor_metric: ClassVar[str] = "sim_tau"
     monitor_mode: ClassVar[str] = "max"  # "max" | "min"
 
+    @property
+    def required_cache_layers(self) -> list[int]:
+        """Intermediate hidden states hs[ℓ] the head reads from the cache (``aux_hidden.ℓ``, written
+        by data prep with ``prep.layers``); the final state is always cached.  Default: none."""
+        return []
+
     def __init__(self, cfg: dict[str, Any], base_config) -> None:
         super().__init__()
         self.cfg = dict(cfg)

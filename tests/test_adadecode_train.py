@@ -68,3 +68,19 @@ def test_train_then_evaluate(varied_base, tmp_path):
     assert summary["early_exits"] > 0 and summary["gammas"] == {"1": 0.0, "2": 0.0, "3": 0.0}
     assert summary["max_inflight"] == 3
     assert summary["accepted_exits"] + summary["rejected_exits"] <= summary["early_exits"]
+
+
+def test_cache_without_the_head_layers_fails_before_training(varied_base, tmp_path):
+    from core.config import UserInputError, compose
+    from core.tiny import write_random_cache
+    from train.run import train
+
+    model_dir, base = varied_base
+    cache = write_random_cache(tmp_path / "cache", model_dir, n_train=4, n_val=2, layers=[1])
+    cfg = compose([f"model.path={model_dir}", "heads=adadecode", "heads.layers=[1,2]", f"output_root={tmp_path}",
+                   f"train.cache_dir={cache}", "train.logger=csv", "train.run_name=t", "train.accelerator=cpu",
+                   "train.devices=1", "train.max_steps=2"])
+    with pytest.raises(UserInputError, match=r"reads hidden states hs\[2\] but cache split .*train holds layers \[1\]; "
+                                             r"prepare a cache with prep.layers=\[1, 2\]"):
+        train(cfg, base=base)
+    assert not (tmp_path / "runs" / "adadecode" / "t" / "checkpoints").exists()

@@ -263,3 +263,22 @@ def test_bad_prep_config_is_rejected(tiny_model_dir, data_file, tmp_path):
         _cfg(tiny_model_dir, data_file, tmp_path, "prep.dtype=int8")
     with pytest.raises(ConfigError, match="prep.layers"):
         _cfg(tiny_model_dir, data_file, tmp_path, "prep.layers=[-1]")
+
+
+def test_prepared_cache_is_never_overwritten_by_other_settings(tiny_base, tiny_model_dir, data_file, tmp_path):
+    from core.config import UserInputError
+    from data_prep.pipeline import prepare
+
+    cache = tmp_path / "cache"
+    cfg = _cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={cache}", "data.max_conversations=4")
+    prepare(cfg, *tiny_base, out=None)
+    before = _files(cache) | {"config.yaml": (cache / "config.yaml").read_bytes()}
+    other = _cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={cache}", "data.max_conversations=4",
+                 "data.heldout_fraction=0.5")
+    with pytest.raises(UserInputError, match=r"prepared with other settings \(data.heldout_fraction: 0.25 -> 0.5\)"):
+        prepare(other, *tiny_base, out=None)
+    with pytest.raises(UserInputError, match=r"prep.layers=\[9\]: intermediate layer ids must lie in \[1, L=4\)"):
+        prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={cache}", "prep.layers=[9]"), *tiny_base, out=None)
+    assert _files(cache) | {"config.yaml": (cache / "config.yaml").read_bytes()} == before
+    prepare(cfg, *tiny_base, out=None)  # the same settings resume (nothing to do)
+    assert _files(cache) == {k: v for k, v in before.items() if k != "config.yaml"}

@@ -239,6 +239,7 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir)
     module = DraftHeadModule(cfg.heads, cfg.train, base_model=model)
+    check_cache_layers(module.head, datamodule)
     trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks)
     for lg in trainer.loggers:  # rank-zero-only inside Lightning's loggers
         lg.log_hyperparams({**to_container(cfg), "world_size": trainer.world_size})
@@ -247,6 +248,28 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     exports = export_checkpoints(trainer, module, ckpt_cb, run_dir, identity_dict, head=head)
     return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
             "exports": exports}
+
+
+def check_cache_layers(head, datamodule) -> None:
+    """Fail before training when the cache lacks an intermediate layer the head reads.
+
+    Raises:
+        UserInputError: a split's manifest ``layers`` misses one of ``head.required_cache_layers``.
+    """
+    from core.config import UserInputError
+
+    need = [int(l) for l in getattr(head, "required_cache_layers", [])]
+    for split in ("train", "val"):
+        reader = getattr(datamodule, f"{split}_reader", None)
+        manifest = getattr(reader, "manifest", None)
+        if not need or manifest is None:
+            continue
+        have = [int(l) for l in manifest.get("layers", [])]
+        missing = [l for l in need if l not in have]
+        if missing:
+            raise UserInputError(f"the {head.head_type} head reads hidden states hs{missing} but cache split "
+                                 f"{getattr(reader, 'directory', split)} holds layers {have}; prepare a cache with "
+                                 f"prep.layers={need} (python -m data_prep prep.layers={need} ...)")
 
 
 def refuse_existing_run(run_dir: Path) -> None:
