@@ -3,6 +3,15 @@
 ``checkpoint=X`` is shorthand for ``eval.checkpoint=X`` (``oracle`` / ``random`` select the
 reference drafters).  Exit status: 0 on success, 1 when any prompt's output differs from vanilla
 greedy decoding (the ids are printed), 2 on a configuration or input error.
+
+Examples::
+
+    python -m evaluation heads=ctc checkpoint=outputs/runs/ctc/r1/best \
+        eval.prompts=../shared/data/mt_bench_questions.jsonl eval.max_new_tokens=128
+    python -m evaluation heads=falcon 'eval.variants=[{name: k2, checkpoint: A/best}, {name: k1, checkpoint: B/best}]'
+    python -m evaluation heads=adadecode checkpoint=R/best 'eval.variants=[{gamma: 0.6}, {gamma: 0.85}]'
+    python -m evaluation heads=ctc checkpoint=R/best eval.output_dir=outputs/eval/e1 resume=auto   # continue
+    python -m evaluation checkpoint=oracle eval.num_prompts=4     # reference drafter: the runtime's ceiling
 """
 from __future__ import annotations
 
@@ -22,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from evaluation.runner import ParityError, format_summary, run_evaluation
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = cli(rewrite_argv(sys.argv[1:] if argv is None else argv))
+    cfg = cli(rewrite_argv(sys.argv[1:] if argv is None else argv), __doc__)
     try:
         report = run_evaluation(cfg)
     except ParityError as exc:

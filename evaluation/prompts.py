@@ -73,19 +73,23 @@ def read_jsonl_prompts(path: str | Path, field: str | None = None, limit: int | 
     if not path.is_file():
         raise PromptError(f"eval.prompts={str(path)!r}: file not found")
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PromptError(f"{where}: invalid JSON ({exc.msg})") from None
-            pid = next((str(rec[k]) for k in ID_FIELDS if isinstance(rec, dict) and k in rec), f"line{lineno}")
-            out.append((pid, _messages_from_record(rec, field, where)))
-            if limit is not None and len(out) >= limit:
-                break
+    try:
+        raw = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        lineno = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise PromptError(f"{path}:{lineno}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})") from None
+    for lineno, line in enumerate(raw.split("\n"), start=1):  # not splitlines: JSON may hold U+2028
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptError(f"{where}: invalid JSON ({exc.msg})") from None
+        pid = next((str(rec[k]) for k in ID_FIELDS if isinstance(rec, dict) and k in rec), f"line{lineno}")
+        out.append((pid, _messages_from_record(rec, field, where)))
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise PromptError(f"{path}: no prompts")
     return out

@@ -108,10 +108,20 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
                     "(start/draft/accept); see docs/design.md 'Decoding runtime API'")
 
 
+def checkpoint_label(ckpt) -> str:
+    """A short name for a checkpoint: ``<run>-best`` for ``.../<run>/best``, else the last path part."""
+    if ckpt is None:
+        return "none"
+    path = Path(str(ckpt))
+    return f"{path.parent.name}-{path.name}" if path.name in ("best", "last") and path.parent.name else path.name
+
+
 def default_output_dir(cfg: DictConfig, info: dict[str, Any]) -> Path:
+    """``<output_root>/eval/<head type>-<checkpoint label or 'variants'>-<UTC time>``."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    name = Path(str(cfg.eval.checkpoint)).name or "ckpt"
-    return Path(str(cfg.get("output_root", "runs"))) / "eval" / f"{info['head_type'].replace(':', '-')}-{name}-{stamp}"
+    head = str(info["head_type"]).split(":")[0]
+    what = "variants" if cfg.eval.get("variants") else checkpoint_label(cfg.eval.checkpoint)
+    return Path(str(cfg.get("output_root", "runs"))) / "eval" / f"{head}-{what}-{stamp}"
 
 
 def plot(report: dict[str, Any]) -> bytes:
@@ -200,8 +210,7 @@ def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
             parts = []
             for k, val in v.items():
                 if k == "checkpoint" and val not in REFERENCE_DRAFTERS:
-                    path = Path(str(val))
-                    parts.append(f"{path.parent.name}-{path.name}" if path.name in ("best", "last") else path.name)
+                    parts.append(checkpoint_label(val))
                 else:
                     parts.append(f"{k}={val}")
             name = ",".join(parts)
@@ -417,8 +426,7 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         return greedy_generate(model, ids, n, eos_ids)
 
     prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, tokenizer)
-    info0 = methods[0][3] if len(methods) == 1 else {"head_type": str(methods[0][3]["head_type"]) + "-variants"}
-    out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, info0)
+    out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, methods[0][3])
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir)
     max_new = int(ev.max_new_tokens)

@@ -51,6 +51,11 @@ def test_bad_prompt_files_name_the_line(tmp_path):
         read_jsonl_prompts(bad)
     with pytest.raises(PromptError, match="not found"):
         read_jsonl_prompts(tmp_path / "missing.jsonl")
+    bad.write_bytes(b'{"turns": ["ok"]}\n{"turns": ["caf\xff"]}\n')
+    with pytest.raises(PromptError, match=r"bad.jsonl:2: not UTF-8 text \(byte 0xff"):
+        read_jsonl_prompts(bad)
+    bad.write_text('{"turns": ["line\u2028separator"]}\n', encoding="utf-8")
+    assert read_jsonl_prompts(bad)[0][1][0]["content"] == "line\u2028separator"
 
 
 def test_cli_oracle_report(tiny_model_dir, tmp_path, prompts_file, capsys):

@@ -127,7 +127,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None)
         check_val_every_n_epoch=None,
         limit_val_batches=t.limit_val_batches if t.limit_val_batches is not None else 1.0,
         num_sanity_val_steps=int(t.sanity_val_steps),
-        log_every_n_steps=int(t.log_every_n_steps),
+        # a run shorter than the logging interval still logs its training loss
+        log_every_n_steps=min(int(t.log_every_n_steps), int(t.max_steps)) if int(t.max_steps) > 0 else int(t.log_every_n_steps),
         logger=loggers if loggers else False,
         callbacks=cbs,
         plugins=[SafetensorsCheckpointIO()],
