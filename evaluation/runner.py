@@ -272,7 +272,8 @@ def _decode_prompt(p, reference, decoders, max_new: int, device) -> dict[str, An
     t0 = time.perf_counter()
     ref, vstats = reference(p.input_ids, max_new)
     _sync(device)
-    rec = {"id": p.id, "vanilla": {"tokens": [int(t) for t in ref], "stats": vstats,
+    rec = {"id": p.id, "prompt_sha256": prompt_digest(p.input_ids),
+           "vanilla": {"tokens": [int(t) for t in ref], "stats": vstats,
                                    "seconds": time.perf_counter() - t0}, "methods": []}
     for dec in decoders:
         _sync(device)
@@ -283,6 +284,13 @@ def _decode_prompt(p, reference, decoders, max_new: int, device) -> dict[str, An
     return rec
 
 
+def prompt_digest(input_ids: torch.Tensor) -> str:
+    """SHA-256 of a templated prompt's token ids (ties a stored result to the exact prompt)."""
+    from core.io import sha256_json
+
+    return sha256_json([int(t) for t in input_ids.reshape(-1).tolist()])
+
+
 def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, str]]:
     """What determines an evaluation's per-prompt results (not where they go): a hash of the
     model, heads, prompt and eval settings and the seed, and each checkpoint's weights-file SHA-256
@@ -290,7 +298,9 @@ def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, str]]:
     from core.io import sha256_file, sha256_json
 
     ev = dict(to_container(cfg.eval))
-    for k in ("output_dir", "threads", "warmup", "fail_on_mismatch"):
+    # num_prompts is left out: records are per prompt (checked by token hash), so a larger
+    # num_prompts extends a finished evaluation instead of redoing it
+    for k in ("output_dir", "threads", "warmup", "fail_on_mismatch", "num_prompts"):
         ev.pop(k, None)
     weights = {}  # a retrained checkpoint at the same path must not reuse old results
     for c in [ev.get("checkpoint")] + [v.get("checkpoint") for v in (ev.get("variants") or []) if isinstance(v, dict)]:
@@ -446,6 +456,9 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     acc = [{"stats": [], "rows": [], "tokens": 0, "seconds": 0.0} for _ in methods]
     for i, p in enumerate(prompts):
         rec = progress.records.get(p.id)
+        if rec is not None and rec.get("prompt_sha256") != prompt_digest(p.input_ids):
+            raise ValueError(f"{progress.path}: prompt {p.id!r} is not the prompt these results were decoded for "
+                             "(the prompt file changed); evaluate into another eval.output_dir")
         if rec is None:
             rec = _decode_prompt(p, reference, [m[2] for m in methods], max_new, device)
             progress.append(rec)

@@ -263,6 +263,14 @@ def test_interrupted_evaluation_resumes_without_redecoding(tiny_base, tiny_model
     assert rep["parity"]["matched"] == 3 and [r["id"] for r in rep["per_prompt"]] == ["81", "p2", "line3"]
     assert rep["vanilla"]["tokens"] == sum(r["vanilla_tokens"] for r in rep["per_prompt"])
     assert len(progress.read_text().splitlines()) == 4
+    # fewer prompts reuse the finished ones (num_prompts is not part of the fingerprint)
+    dec = _Counting(tiny_base[0])
+    rep = run_evaluation(compose(rewrite_argv(argv + ["resume=auto", "eval.num_prompts=2"])), base=tiny_base, decoder=dec)
+    assert dec.calls == 0 and rep["num_prompts"] == 2
+    # a prompt whose text changed under the same id is not silently reused
+    prompts_file.write_text(prompts_file.read_text().replace("short poem", "long poem"))
+    with pytest.raises(ValueError, match="prompt '81' is not the prompt these results were decoded for"):
+        run_evaluation(compose(rewrite_argv(argv + ["resume=auto"])), base=tiny_base, decoder=_Counting(tiny_base[0]))
 
 
 def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path):
@@ -274,7 +282,7 @@ def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path)
     fp = lambda *a: progress_fingerprint(compose(rewrite_argv([f"checkpoint={ckpt}", *a])))  # noqa: E731
     base = fp()
     assert fp("eval.output_dir=/elsewhere", "eval.threads=1") == base
-    assert fp("eval.max_new_tokens=7")[0] != base[0]
+    assert fp("eval.max_new_tokens=7")[0] != base[0] and fp("eval.num_prompts=3") == base
     progress = Progress(tmp_path / "progress.jsonl", base, None)
     progress.append({"id": "a", "vanilla": {}, "methods": []})
     (ckpt / "model.safetensors").write_bytes(b"v2")  # retrained in place
