@@ -17,6 +17,7 @@ def _eval_checks(cfg: DictConfig) -> None:
         if OmegaConf.select(cfg, f"eval.{key}") is not None:
             check_range(cfg, f"eval.{key}", 1, None)
     check_range(cfg, "eval.warmup", 0, None)
+    check_range(cfg, "eval.prompt_offset", 0, None)
     check_range(cfg, "eval.temperature", 0, None)
     check_range(cfg, "eval.reference_depth", 1, None)
     check_range(cfg, "eval.reference_width", 1, None)

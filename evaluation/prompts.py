@@ -106,16 +106,18 @@ def load_prompts(eval_cfg, data_cfg, tokenizer) -> tuple[list[Prompt], list[dict
 
     Args:
         eval_cfg: the ``eval`` section (``prompts``, ``prompt_field``, ``num_prompts``,
-            ``max_prompt_tokens``).
+            ``prompt_offset``, ``max_prompt_tokens``).
         data_cfg: the ``data`` section (ShareGPT path and held-out split) used when
             ``eval.prompts`` is null.
         tokenizer: the base tokenizer (with a chat template).
 
     Returns:
-        ``(prompts, skipped)``; ``skipped`` lists ``{"id", "prompt_tokens", "reason"}`` for
+        ``(prompts, skipped)``: usable prompts ``prompt_offset .. prompt_offset + num_prompts − 1``
+        (after skipping over-long ones); ``skipped`` lists ``{"id", "prompt_tokens", "reason"}`` for
         prompts longer than ``max_prompt_tokens``.
     """
     limit = eval_cfg.get("num_prompts")
+    offset = int(eval_cfg.get("prompt_offset") or 0)
     if eval_cfg.get("prompts"):
         raw = read_jsonl_prompts(eval_cfg.prompts, eval_cfg.get("prompt_field"))
         source = str(eval_cfg.prompts)
@@ -132,8 +134,9 @@ def load_prompts(eval_cfg, data_cfg, tokenizer) -> tuple[list[Prompt], list[dict
             skipped.append({"id": pid, "prompt_tokens": int(ids.numel()), "reason": "longer than eval.max_prompt_tokens"})
             continue
         prompts.append(Prompt(pid, messages, ids))
-        if limit is not None and len(prompts) >= int(limit):
+        if limit is not None and len(prompts) >= offset + int(limit):
             break
+    prompts = prompts[offset:]
     if not prompts:
-        raise PromptError(f"no usable prompts from {source}")
+        raise PromptError(f"no usable prompts from {source} (eval.prompt_offset={offset})")
     return prompts, skipped

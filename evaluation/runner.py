@@ -164,7 +164,7 @@ def plot(report: dict[str, Any]) -> bytes:
 
 _NAME_OK = re.compile(r"[^A-Za-z0-9._=,+-]+")
 # eval keys that define the shared reference run (prompts, lengths, dtype, device, sampling), not a method
-SHARED_EVAL_KEYS = frozenset({"variants", "prompts", "prompt_field", "num_prompts", "max_new_tokens",
+SHARED_EVAL_KEYS = frozenset({"variants", "prompts", "prompt_field", "num_prompts", "prompt_offset", "max_new_tokens",
                               "max_prompt_tokens", "dtype", "device", "threads", "warmup", "output_dir",
                               "fail_on_mismatch", "temperature"})
 
@@ -298,9 +298,9 @@ def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, str]]:
     from core.io import sha256_file, sha256_json
 
     ev = dict(to_container(cfg.eval))
-    # num_prompts is left out: records are per prompt (checked by token hash), so a larger
-    # num_prompts extends a finished evaluation instead of redoing it
-    for k in ("output_dir", "threads", "warmup", "fail_on_mismatch", "num_prompts"):
+    # num_prompts / prompt_offset are left out: records are per prompt (checked by token hash), so a
+    # larger num_prompts extends a finished evaluation, and shards (prompt_offset) can be combined
+    for k in ("output_dir", "threads", "warmup", "fail_on_mismatch", "num_prompts", "prompt_offset"):
         ev.pop(k, None)
     weights = {}  # a retrained checkpoint at the same path must not reuse old results
     for c in [ev.get("checkpoint")] + [v.get("checkpoint") for v in (ev.get("variants") or []) if isinstance(v, dict)]:

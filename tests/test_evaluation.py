@@ -290,3 +290,24 @@ def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path)
     with pytest.raises(ValueError, match=f"weights of checkpoint {ckpt} changed"):
         Progress(tmp_path / "progress.jsonl", fp(), "auto")
     assert list(Progress(tmp_path / "progress.jsonl", base, "auto").records) == ["a"]
+
+
+def test_sharded_evaluation_combines_by_appending_progress_records(tiny_base, tiny_model_dir, tmp_path, prompts_file):
+    """eval.prompt_offset shards the prompts; appending a shard's records to another shard's
+    progress.jsonl and resuming with the full num_prompts reports all prompts, decoding none again."""
+    def run(out, *extra, dec=None):
+        argv = _argv(tiny_model_dir, tmp_path, "checkpoint=custom", f"eval.prompts={prompts_file}",
+                     f"eval.output_dir={tmp_path / out}", *extra)
+        return run_evaluation(compose(rewrite_argv(argv)), base=tiny_base, decoder=dec or _Counting(tiny_base[0]))
+
+    a = run("a", "eval.num_prompts=2")
+    b = run("b", "eval.prompt_offset=2", "eval.num_prompts=5")
+    assert [r["id"] for r in a["per_prompt"]] == ["81", "p2"] and [r["id"] for r in b["per_prompt"]] == ["line3"]
+    records = (tmp_path / "b" / "progress.jsonl").read_text().splitlines()[1:]
+    with (tmp_path / "a" / "progress.jsonl").open("a") as f:
+        f.write("\n".join(records) + "\n")
+    dec = _Counting(tiny_base[0])
+    full = run("a", "eval.num_prompts=3", "resume=auto", dec=dec)
+    assert dec.calls == 0 and [r["id"] for r in full["per_prompt"]] == ["81", "p2", "line3"]
+    assert full["vanilla"]["tokens"] == a["vanilla"]["tokens"] + b["vanilla"]["tokens"]
+    assert full["parity"]["matched"] == 3
