@@ -339,7 +339,7 @@ class Progress:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: unreadable header ({exc}); move it away to start over") from exc
             if resume != "auto":
-                raise ValueError(f"{path} already holds results of {max(len([x for x in lines[1:] if x]), 0)} prompt(s): "
+                raise ValueError(f"{path} already holds results of {sum(1 for x in lines[1:] if x.strip())} prompt(s): "
                                  "pass resume=auto to continue them, or choose another eval.output_dir")
             changed = sorted(c for c in set(weights) | set(head.get("weights") or {})
                              if weights.get(c) != (head.get("weights") or {}).get(c))
@@ -438,6 +438,8 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, tokenizer)
     out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, methods[0][3])
     out_dir.mkdir(parents=True, exist_ok=True)
+    # refuses (before anything is written) when out_dir holds results and resume is not auto
+    progress = Progress(out_dir / "progress.jsonl", progress_fingerprint(cfg), cfg.get("resume"))
     save_config(cfg, out_dir)
     max_new = int(ev.max_new_tokens)
     log.info("evaluating %s on %d prompts (max_new_tokens=%d) on %s -> %s",
@@ -449,7 +451,6 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         for m in methods:
             m[2].generate(prompts[0].input_ids, min(8, max_new))
 
-    progress = Progress(out_dir / "progress.jsonl", progress_fingerprint(cfg), cfg.get("resume"))
     if progress.records:
         log.info("resuming: %d of %d prompts already decoded in %s", len(progress.records), len(prompts), progress.path)
     van_tokens = van_seconds = van_forwards = 0

@@ -252,8 +252,10 @@ def test_interrupted_evaluation_resumes_without_redecoding(tiny_base, tiny_model
     with progress.open("a") as f:
         f.write('{"id": "line3", "vanilla": {"tok')  # a torn write: that prompt is decoded again
 
+    config_before = (tmp_path / "out" / "config.yaml").read_text()
     with pytest.raises(ValueError, match="pass resume=auto"):  # nothing written is overwritten
-        run_evaluation(compose(rewrite_argv(argv)), base=tiny_base, decoder=_Counting(tiny_base[0]))
+        run_evaluation(compose(rewrite_argv(argv + ["eval.warmup=1"])), base=tiny_base, decoder=_Counting(tiny_base[0]))
+    assert (tmp_path / "out" / "config.yaml").read_text() == config_before
     with pytest.raises(ValueError, match="different model/heads/eval configuration"):
         run_evaluation(compose(rewrite_argv(argv + ["resume=auto", "eval.max_new_tokens=5"])), base=tiny_base,
                        decoder=_Counting(tiny_base[0]))
