@@ -282,7 +282,10 @@ class AdaDecodeDecoder:
         """Exact totals over several :meth:`generate` stats (the evaluator's ``decoder_summary``):
         ``early_exit_rate`` = Σ accepted_exits / Σ new_tokens, ``rejection_rate`` = Σ rejected /
         Σ (accepted + rejected), ``layer_steps_per_token`` = Σ layer_steps / Σ (new_tokens − 1)
-        against vanilla's L, ``layer_step_speedup`` = L / that, and per-layer exit / accept counts."""
+        against vanilla's L, ``layer_step_speedup`` = L / that, and per-layer exit / accept counts;
+        ``exit_attempt_rate`` = Σ (accepted + rejected) / Σ new_tokens is the share of emitted tokens
+        that were predicted early (head confidence ≥ γ) and verified, right or wrong: validation's
+        early-exit rate measured in decoding."""
         tot = {k: sum(int(s.get(k, 0)) for s in stats) for k in
                ["new_tokens", "layer_steps", "token_layer_computations", "early_exits", "accepted_exits",
                 "rejected_exits", "head_evals"] + [f"{a}_l{l}" for l in self.exit_layers for a in ("exits", "accepted")]}
@@ -293,6 +296,7 @@ class AdaDecodeDecoder:
             "discarded_exits": tot["early_exits"] - judged, "gammas": {str(l): g for l, g in self.gammas.items()},
             "max_inflight": self.max_inflight, "temperature": self.temperature,
             "early_exit_rate": tot["accepted_exits"] / tot["new_tokens"] if tot["new_tokens"] else None,
+            "exit_attempt_rate": judged / tot["new_tokens"] if tot["new_tokens"] else None,
             "rejection_rate": tot["rejected_exits"] / judged if judged else None,
             "layer_steps_per_token": per_tok, "vanilla_layer_steps_per_token": self.L,
             "layer_step_speedup": self.L / per_tok if per_tok else None,

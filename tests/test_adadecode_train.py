@@ -68,6 +68,10 @@ def test_train_then_evaluate(varied_base, tmp_path):
     assert summary["early_exits"] > 0 and summary["gammas"] == {"1": 0.0, "2": 0.0, "3": 0.0}
     assert summary["max_inflight"] == 3
     assert summary["accepted_exits"] + summary["rejected_exits"] <= summary["early_exits"]
+    tokens = sum(r["method_tokens"] for r in report["per_prompt"])
+    assert summary["new_tokens"] == tokens
+    assert summary["early_exit_rate"] == pytest.approx(summary["accepted_exits"] / tokens)
+    assert summary["exit_attempt_rate"] == pytest.approx((summary["accepted_exits"] + summary["rejected_exits"]) / tokens)
 
 
 def test_cache_without_the_head_layers_fails_before_training(varied_base, tmp_path):
