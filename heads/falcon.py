@@ -290,7 +290,8 @@ class FalconHead(DraftHead):
         """Validation loss parts, teacher-forced top-1 accuracy and ``sim_tau`` as ``(sum, count)`` pairs.
 
         ``loss``, ``loss_reg``, ``kl``, ``ce``, ``acc`` (top-1 agreement with the teacher argmax) are
-        (Σ over loss positions, M); ``sim_tau`` is (Σ τ over anchors, number of anchors), so the
+        (Σ over loss positions, M); ``acc_slot<j>`` is ``acc`` over the positions of block slot j
+        (position ≡ j mod k); ``sim_tau`` is (Σ τ over anchors, number of anchors), so the
         trainer's Σsum/Σcount is an exact mean over the whole split.
 
         ``sim_tau`` (simulated acceptance length, incl. the bonus token, METHODS §5.1): one
@@ -332,9 +333,18 @@ class FalconHead(DraftHead):
         anchors = mask & (torch.arange(T, device=mask.device) % k == 0)[None]
         n_anchor = anchors.sum()
         M = mask.sum().float()
-        return {"loss": (loss.detach().float() * M, M), "loss_reg": (parts["reg"] * M, M),
-                "kl": (parts["kl"] * M, M), "ce": (parts["ce"] * M, M), "acc": (acc.detach().float() * M, M),
-                "sim_tau": ((tau * anchors).sum(), n_anchor.float())}
+        out = {"loss": (loss.detach().float() * M, M), "loss_reg": (parts["reg"] * M, M),
+               "kl": (parts["kl"] * M, M), "ce": (parts["ce"] * M, M), "acc": (acc.detach().float() * M, M),
+               "sim_tau": ((tau * anchors).sum(), n_anchor.float())}
+        # top-1 agreement per block slot j (position ≡ j mod k): slot j predicts j + 1 steps past its
+        # block's last known token, so slot k−1 is the semi-autoregressive (hardest) one
+        top1 = torch.zeros(B, T, dtype=torch.bool, device=mask.device)
+        top1[mask] = student.argmax(-1) == self.logits_fp32(inp["F_tgt"][mask]).argmax(-1)
+        slot = torch.arange(T, device=mask.device) % k
+        for j in range(k):
+            in_slot = mask & (slot == j)[None]
+            out[f"acc_slot{j}"] = ((top1 & in_slot).sum().float(), in_slot.sum().float())
+        return out
 
     # -- decoding --------------------------------------------------------------------------------
     def make_drafter(self, base_model=None, **kwargs):

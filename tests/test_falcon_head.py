@@ -266,6 +266,14 @@ def test_sim_tau_bruteforce(base, k):
     assert int(c_) == len(taus)
     assert float(s_) / float(c_) == pytest.approx(sum(taus) / len(taus))
     assert float(s_) / float(c_) > 1.0
+    # per-slot top-1 agreement with the teacher, brute force over the loss positions
+    with torch.no_grad():
+        teacher = head.lm_head(inp["F_tgt"]).argmax(-1)
+    for j in range(k):
+        pos = [(bb, t) for bb in range(B) for t in range(T) if inp["mask"][bb, t] and t % k == j]
+        hits = sum(int(tok[bb, t] == teacher[bb, t]) for bb, t in pos)
+        assert (float(m[f"acc_slot{j}"][0]), float(m[f"acc_slot{j}"][1])) == (hits, len(pos))
+    assert sum(float(m[f"acc_slot{j}"][1]) for j in range(k)) == float(m["acc"][1])
 
 
 def test_save_load_roundtrip(base, tmp_path):
