@@ -6,11 +6,11 @@ Stop rule (shared by every decoder in ``decoding/``): generation stops after emi
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
-from decoding.verify import base_forward, new_cache, prefill
+from decoding.verify import base_forward, new_cache
 
 
 def eos_token_ids(tokenizer=None, base_model=None) -> list[int]:
@@ -54,19 +54,7 @@ def greedy_generate(base_model, prompt_ids: torch.Tensor, max_new_tokens: int,
     Raises:
         ValueError: bad ``prompt_ids`` or ``max_new_tokens``.
     """
-    prompt_ids = check_generate_args(prompt_ids, max_new_tokens)
-    eos = set(int(e) for e in eos_token_ids)
-    t0 = time.perf_counter()
-    cache, token, _ = prefill(base_model, prompt_ids)
-    out = [token]
-    forwards = 0
-    while token not in eos and len(out) < max_new_tokens:
-        logits, _ = base_forward(base_model, torch.tensor([token]), cache)
-        forwards += 1
-        token = int(logits[-1].argmax())
-        out.append(token)
-    seconds = time.perf_counter() - t0
-    return out, {"new_tokens": len(out), "base_forwards": forwards, "prefill_forwards": 1, "seconds": seconds}
+    return _generate(base_model, prompt_ids, max_new_tokens, eos_token_ids, lambda logits: int(logits.argmax()))
 
 
 @torch.no_grad()
@@ -83,18 +71,26 @@ def sample_generate(base_model, prompt_ids: torch.Tensor, max_new_tokens: int, e
     """
     from decoding.sampling import sample, warp
 
+    return _generate(base_model, prompt_ids, max_new_tokens, eos_token_ids,
+                     lambda logits: sample(warp(logits, temperature), generator))
+
+
+def _generate(base_model, prompt_ids, max_new_tokens: int, eos_token_ids: Iterable[int],
+              pick: Callable[[torch.Tensor], int]) -> tuple[list[int], dict]:
+    """The KV-cached decoding loop shared by greedy and ancestral sampling: ``pick`` maps the last
+    position's logits [V] to the next token; stop rule and stats as :func:`greedy_generate`."""
     prompt_ids = check_generate_args(prompt_ids, max_new_tokens)
     eos = set(int(e) for e in eos_token_ids)
     t0 = time.perf_counter()
     cache = new_cache(base_model)
     logits, _ = base_forward(base_model, prompt_ids, cache)
-    token = sample(warp(logits[-1], temperature), generator)
+    token = pick(logits[-1])
     out = [token]
     forwards = 0
     while token not in eos and len(out) < max_new_tokens:
         logits, _ = base_forward(base_model, torch.tensor([token]), cache)
         forwards += 1
-        token = sample(warp(logits[-1], temperature), generator)
+        token = pick(logits[-1])
         out.append(token)
     seconds = time.perf_counter() - t0
     return out, {"new_tokens": len(out), "base_forwards": forwards, "prefill_forwards": 1, "seconds": seconds}

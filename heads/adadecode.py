@@ -129,7 +129,6 @@ class AdaDecodeHead(DraftHead):
         self.cfg["param_counts"] = self.parameter_report()
         log.info("adadecode heads at layers %s: %s", layers, self.cfg["param_counts"])
 
-
     @property
     def required_cache_layers(self) -> list[int]:
         """The candidate exit layers: their hs[ℓ] must be in the cache (``prep.layers``)."""

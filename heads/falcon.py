@@ -239,8 +239,9 @@ class FalconHead(DraftHead):
         loss, parts = falcon_loss(sel_pred, sel_tgt, student, teacher,
                                   torch.ones(sel_pred.shape[0], dtype=torch.bool, device=pred.device),
                                   alpha=float(L["alpha"]), omega=float(L["omega"]), beta=float(L["beta"]))
-        acc = (student.argmax(-1) == teacher.argmax(-1)).float().mean() if sel_pred.shape[0] else student.new_zeros(())
-        return loss, parts, acc, student
+        hit = student.argmax(-1) == teacher.argmax(-1)  # [M] top-1 agreement per loss position
+        acc = hit.float().mean() if sel_pred.shape[0] else student.new_zeros(())
+        return loss, parts, acc, student, hit
 
     # -- training --------------------------------------------------------------------------------
     def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:
@@ -276,7 +277,7 @@ class FalconHead(DraftHead):
             metrics["hamming"] = float(distance.float().mean())
         pred = self.forward_train(F_in, X_in, valid)
         inp_b = dict(inp, F_in=F_in, X_in=X_in)
-        loss, parts, acc, _ = self._loss_on(pred, inp_b, mask)
+        loss, parts, acc, _, _ = self._loss_on(pred, inp_b, mask)
         if not bool(mask.any()):
             loss = loss + 0.0 * pred.sum()  # keep the graph connected (DDP) on an empty batch
         metrics.update({"loss": float(loss.detach()), "loss_reg": float(parts["reg"]), "kl": float(parts["kl"]),
@@ -309,7 +310,7 @@ class FalconHead(DraftHead):
         inp = self.prepare_inputs(batch)
         valid, mask = inp["valid"], inp["mask"]
         pred = self.forward_train(inp["F_in"], inp["X_in"], valid)
-        loss, parts, acc, student = self._loss_on(pred, inp, mask)
+        loss, parts, acc, student, hit = self._loss_on(pred, inp, mask)
         B, T = mask.shape
         k = self.k
         draft_tok = torch.zeros(B, T, dtype=torch.long, device=mask.device)
@@ -339,7 +340,7 @@ class FalconHead(DraftHead):
         # top-1 agreement per block slot j (position ≡ j mod k): slot j predicts j + 1 steps past its
         # block's last known token, so slot k−1 is the semi-autoregressive (hardest) one
         top1 = torch.zeros(B, T, dtype=torch.bool, device=mask.device)
-        top1[mask] = student.argmax(-1) == self.logits_fp32(inp["F_tgt"][mask]).argmax(-1)
+        top1[mask] = hit
         slot = torch.arange(T, device=mask.device) % k
         for j in range(k):
             in_slot = mask & (slot == j)[None]

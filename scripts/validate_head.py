@@ -27,7 +27,7 @@ import heads  # noqa: E402
 from core.base_model import load_base_model  # noqa: E402
 from core.io import atomic_write_json  # noqa: E402
 from train.data import default_collate, open_split  # noqa: E402
-from train.module import metric_pair  # noqa: E402
+from train.module import accumulate_metrics  # noqa: E402
 
 
 @torch.no_grad()
@@ -37,8 +37,7 @@ def validate(head, reader, pad_id: int, batch_size: int) -> dict[str, float]:
     sums: dict[str, torch.Tensor] = {}
     for start in range(0, len(reader), batch_size):
         batch = collate([reader[i] for i in range(start, min(start + batch_size, len(reader)))])
-        for name, value in head.validation_metrics(batch).items():
-            sums[name] = sums.get(name, torch.zeros(2, dtype=torch.float64)) + metric_pair(name, value)
+        accumulate_metrics(sums, head.validation_metrics(batch))
     return {n: float(s) / float(c) if c > 0 else float("nan") for n, (s, c) in sorted(sums.items())}
 
 

@@ -26,6 +26,14 @@ import heads
 from heads.base import Progress
 
 
+def accumulate_metrics(sums: dict[str, torch.Tensor], metrics: dict[str, Any], weight: float = 1.0) -> None:
+    """Add one batch's ``validation_metrics`` into ``sums`` ({name: float64 [Σ sum, Σ count]}),
+    each pair scaled by ``weight`` (0 for a padding batch); ``Σ sum / Σ count`` is the split mean."""
+    for name, value in metrics.items():
+        pair = metric_pair(name, value) * weight
+        sums[name] = sums.get(name, torch.zeros(2, dtype=torch.float64)) + pair
+
+
 def metric_pair(name: str, value: Any) -> torch.Tensor:
     """Normalise one ``validation_metrics`` value to a float64 ``[sum, count]`` tensor.
 
@@ -185,11 +193,8 @@ class DraftHeadModule(pl.LightningModule):
         self._val_sums = {}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        metrics = self.head.validation_metrics(batch)
         weight = 0.0 if batch.get("is_padding", False) else 1.0
-        for name, value in metrics.items():
-            pair = metric_pair(name, value) * weight
-            self._val_sums[name] = self._val_sums.get(name, torch.zeros(2, dtype=torch.float64)) + pair
+        accumulate_metrics(self._val_sums, self.head.validation_metrics(batch), weight)
 
     def aggregated_validation(self) -> dict[str, float]:
         """``{name: Σ sum / Σ count}`` over this epoch's batches and all ranks (a collective call)."""
