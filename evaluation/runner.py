@@ -312,6 +312,42 @@ def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, str]]:
                         "eval": ev, "seed": cfg.get("seed")}), weights
 
 
+def read_progress(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Read a ``progress.jsonl`` (see :class:`Progress`): ``(header, {prompt id: record})``.
+
+    A torn last line (a crash mid-write) is dropped; that prompt is simply decoded again.
+
+    Raises:
+        ValueError: the header is unreadable, or a record before the last line is corrupt (the
+            message names the file and line).
+    """
+    lines = path.read_text(encoding="utf-8").split("\n")
+    try:
+        head = json.loads(lines[0])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: unreadable header ({exc}); move it away to start over") from exc
+    records: dict[str, dict[str, Any]] = {}
+    for k, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if k == len(lines) or all(not x.strip() for x in lines[k:]):
+                break  # torn final line
+            raise ValueError(f"{path}:{k}: corrupt record; move the file away to start over")
+        if not isinstance(rec, dict) or "id" not in rec:
+            raise ValueError(f"{path}:{k}: a record without a prompt 'id'; move the file away to start over")
+        records[str(rec["id"])] = rec
+    return head, records
+
+
+def write_progress(path: Path, header: dict[str, Any], records) -> None:
+    """Atomically (re)write a ``progress.jsonl``: the header line, then one line per record."""
+    lines = [json.dumps(header)] + [json.dumps(r) for r in records]
+    atomic_write_text(path, "\n".join(lines) + "\n")
+
+
 class Progress:
     """Per-prompt results appended to ``progress.jsonl`` as they finish, so an interrupted
     evaluation resumes (``resume=auto``) without decoding finished prompts again.
@@ -333,13 +369,9 @@ class Progress:
             raise ValueError(f"resume={resume!r}: evaluation takes resume=auto (continue {path.name} in "
                              "eval.output_dir) or nothing")
         if path.is_file() and path.stat().st_size:
-            lines = path.read_text().split("\n")
-            try:
-                head = json.loads(lines[0])
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: unreadable header ({exc}); move it away to start over") from exc
+            head, self.records = read_progress(path)
             if resume != "auto":
-                raise ValueError(f"{path} already holds results of {sum(1 for x in lines[1:] if x.strip())} prompt(s): "
+                raise ValueError(f"{path} already holds results of {len(self.records)} prompt(s): "
                                  "pass resume=auto to continue them, or choose another eval.output_dir")
             changed = sorted(c for c in set(weights) | set(head.get("weights") or {})
                              if weights.get(c) != (head.get("weights") or {}).get(c))
@@ -349,20 +381,9 @@ class Progress:
             if head.get("fingerprint") != fingerprint:
                 raise ValueError(f"{path} was written under a different model/heads/eval configuration; "
                                  "resume with the same settings, or choose another eval.output_dir")
-            for k, line in enumerate(lines[1:], start=2):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    if k == len(lines) or all(not x.strip() for x in lines[k:]):
-                        break  # torn final line: that prompt is decoded again
-                    raise ValueError(f"{path}:{k}: corrupt record; move the file away to start over")
-                self.records[str(rec["id"])] = rec
-            good = [lines[0]] + [json.dumps(r) for r in self.records.values()]
-            atomic_write_text(path, "\n".join(good) + "\n")  # drop a torn tail before appending
+            write_progress(path, head, self.records.values())  # drop a torn tail before appending
         else:
-            atomic_write_text(path, json.dumps({"fingerprint": fingerprint, "weights": weights}) + "\n")
+            write_progress(path, {"fingerprint": fingerprint, "weights": weights}, [])
 
     def append(self, record: dict[str, Any]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:

@@ -11,7 +11,8 @@ from core.config import compose
 from decoding.vanilla import VanillaDecoder
 from evaluation.__main__ import main, rewrite_argv
 from evaluation.prompts import PromptError, read_jsonl_prompts
-from evaluation.runner import ParityError, run_evaluation
+from evaluation.merge import main as merge_main, merge_progress
+from evaluation.runner import ParityError, run_evaluation, write_progress
 
 
 @pytest.fixture
@@ -294,9 +295,11 @@ def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path)
     assert list(Progress(tmp_path / "progress.jsonl", base, "auto").records) == ["a"]
 
 
-def test_sharded_evaluation_combines_by_appending_progress_records(tiny_base, tiny_model_dir, tmp_path, prompts_file):
-    """eval.prompt_offset shards the prompts; appending a shard's records to another shard's
-    progress.jsonl and resuming with the full num_prompts reports all prompts, decoding none again."""
+def test_sharded_evaluation_merges_and_resumes_without_redecoding(tiny_base, tiny_model_dir, tmp_path, prompts_file,
+                                                                  capsys):
+    """eval.prompt_offset shards the prompts; ``python -m evaluation.merge`` gathers the shards'
+    records into a new directory, and resuming there with the full num_prompts reports every prompt,
+    decoding none again."""
     def run(out, *extra, dec=None):
         argv = _argv(tiny_model_dir, tmp_path, "checkpoint=custom", f"eval.prompts={prompts_file}",
                      f"eval.output_dir={tmp_path / out}", *extra)
@@ -305,11 +308,40 @@ def test_sharded_evaluation_combines_by_appending_progress_records(tiny_base, ti
     a = run("a", "eval.num_prompts=2")
     b = run("b", "eval.prompt_offset=2", "eval.num_prompts=5")
     assert [r["id"] for r in a["per_prompt"]] == ["81", "p2"] and [r["id"] for r in b["per_prompt"]] == ["line3"]
-    records = (tmp_path / "b" / "progress.jsonl").read_text().splitlines()[1:]
-    with (tmp_path / "a" / "progress.jsonl").open("a") as f:
-        f.write("\n".join(records) + "\n")
+    assert merge_main([str(tmp_path / "all"), str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "a")]) == 0
+    assert "merged 3 prompt(s)" in capsys.readouterr().out
     dec = _Counting(tiny_base[0])
-    full = run("a", "eval.num_prompts=3", "resume=auto", dec=dec)
+    full = run("all", "eval.num_prompts=3", "resume=auto", dec=dec)
     assert dec.calls == 0 and [r["id"] for r in full["per_prompt"]] == ["81", "p2", "line3"]
     assert full["vanilla"]["tokens"] == a["vanilla"]["tokens"] + b["vanilla"]["tokens"]
     assert full["parity"]["matched"] == 3
+    # the shards are untouched, and the merged directory is not overwritten by an unrelated merge
+    assert len((tmp_path / "a" / "progress.jsonl").read_text().splitlines()) == 3
+    assert merge_main([str(tmp_path / "all"), str(tmp_path / "b")]) == 2
+    assert "already holds results and is not one of the shards" in capsys.readouterr().err
+
+
+def test_merge_refuses_shards_of_different_runs(tmp_path):
+    """Shards with another configuration, other checkpoint weights or another prompt under the same
+    id are refused, naming the shard, and nothing is written."""
+    def shard(name, fingerprint="f", weights=None, records=({"id": "p1", "prompt_sha256": "h1"},)):
+        d = tmp_path / name
+        d.mkdir()
+        write_progress(d / "progress.jsonl", {"fingerprint": fingerprint, "weights": weights or {"c": "w"}}, records)
+        return d
+
+    a = shard("a")
+    cases = [(shard("cfg", fingerprint="g"), "ran a different model/heads/eval configuration"),
+             (shard("w", weights={"c": "w2"}), "other checkpoint weights"),
+             (shard("p", records=[{"id": "p1", "prompt_sha256": "h2"}]), "prompt 'p1' holds different prompts")]
+    for other, message in cases:
+        with pytest.raises(ValueError, match=message) as err:
+            merge_progress(tmp_path / "out", [a, other])
+        assert str(other) in str(err.value) or "p1" in str(err.value)
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="no progress.jsonl"):
+        merge_progress(tmp_path / "out", [a, tmp_path / "missing"])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "progress.jsonl").write_text('{"fingerprint": "f"}\n{"no_id": 1}\n')
+    with pytest.raises(ValueError, match=r"progress.jsonl:2: a record without a prompt 'id'"):
+        merge_progress(tmp_path / "out", [tmp_path / "bad"])
