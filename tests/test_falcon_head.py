@@ -297,3 +297,50 @@ def test_config_files_compose():
     for name, k, glance in (("falcon", 2, True), ("falcon_noglance", 2, False), ("falcon_k1", 1, False)):
         cfg = compose([f"heads={name}"])
         assert cfg.heads.type == "falcon" and cfg.heads.block_size == k and cfg.heads.glancing.enabled == glance
+
+
+def test_attention_diagnostic_matches_bruteforce_layer0(base):
+    """scripts/falcon_attention.py: layer 0's per-slot attention mass on the block's newest position,
+    the query itself and older blocks equals a softmax recomputed by hand from q/k (RoPE, block mask)."""
+    import sys
+    from pathlib import Path
+
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from falcon_attention import attention_mass
+
+    k = 2
+    head = _head(base, block_size=k, num_layers=2).eval()
+    with torch.no_grad():  # sharpen attention so that the masses are far from uniform
+        head.layers[0].self_attn.q_proj.weight.mul_(40.0)
+    b = _batch(base, B=3, T=20)
+    out = attention_mass(head, [b])
+    assert head.layer_config._attn_implementation == "sdpa"  # restored
+    inp = head.prepare_inputs(b)
+    B, T = inp["mask"].shape
+    attn = head.layers[0].self_attn
+    with torch.no_grad():
+        h = head.fuse(inp["F_in"], inp["X_in"])
+        pos = torch.arange(T)[None].expand(B, T)
+        cos, sin = head.rotary_emb(h, pos)
+        d = attn.head_dim
+        q = attn.q_proj(h).view(B, T, -1, d).transpose(1, 2)
+        kk = attn.k_proj(h).view(B, T, -1, d).transpose(1, 2)
+        q, kk = apply_rotary_pos_emb(q, kk, cos, sin)
+        kk = kk.repeat_interleave(q.shape[1] // kk.shape[1], dim=1)
+        scores = (q @ kk.transpose(-1, -2)) * d ** -0.5
+        visible = block_causal_mask(T, k, inp["valid"])
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).mean(1)  # [B, T, T]
+    for j in range(k):
+        rows = [(bb, t) for bb in range(B) for t in range(T) if inp["mask"][bb, t] and t % k == j]
+        newest = sum(float(probs[bb, t, (t // k) * k + k - 1]) for bb, t in rows) / len(rows)
+        own = sum(float(probs[bb, t, t]) for bb, t in rows) / len(rows)
+        older = sum(float(probs[bb, t, : (t // k) * k].sum()) for bb, t in rows) / len(rows)
+        got = out["layer0"][f"slot{j}"]
+        assert got["positions"] == len(rows)
+        assert (got["newest"], got["self"], got["older"]) == pytest.approx((newest, own, older), abs=1e-5)
+    # slot 0 of a k=2 block sees older blocks, itself and its partner (the newest) and nothing else
+    s0 = out["layer0"]["slot0"]
+    assert s0["newest"] + s0["self"] + s0["older"] == pytest.approx(1.0, abs=1e-5)
+    assert out["layer0"]["slot1"]["newest"] == out["layer0"]["slot1"]["self"]

@@ -1,0 +1,126 @@
+"""Where a trained Falcon drafter's queries look: attention mass per block slot and layer.
+
+In Falcon's alignment (METHODS.md §1.1) slot j of a block holds (f_t, x_{t+1}) and predicts
+f_{t+k}.  The newest input any slot of a block can see sits on the block's last position, so slot
+0 of a k = 2 block has exactly the inputs of the k = 1 drafter one position later, but it must
+fetch them through attention to its block partner rather than from its own residual stream.
+This script measures whether it does: for every loss position (held-out split, teacher-forced,
+training block mask, no noise) it takes each layer's attention probabilities, averaged over heads,
+and reports their mass on
+
+* ``newest``: the block's last position (for k = 1 and for slot k−1 this is the query itself),
+* ``self``: the query's own position,
+* ``older``: everything before the query's block,
+
+per block slot j, averaged over positions.  Run on the same cache split as validation::
+
+    .venv/bin/python scripts/falcon_attention.py outputs/runs/falcon/falcon-tf640/best \
+        outputs/runs/falcon/falcon_k1-tf640/best --cache outputs/cache/real_tf640 [--out attn.json]
+
+Prints ``{checkpoint: {"layer<l>": {"slot<j>": {"newest", "self", "older", "positions"}}}}``.
+
+Raises:
+    ValueError: a checkpoint that is not a Falcon head.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import heads  # noqa: E402
+from core.base_model import load_base_model  # noqa: E402
+from core.io import atomic_write_json  # noqa: E402
+from train.data import default_collate, open_split  # noqa: E402
+
+
+@torch.no_grad()
+def attention_mass(head, batches: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Mean attention mass on the newest / own / older positions, per layer and block slot.
+
+    Args:
+        head: a Falcon head (eval mode) attached to its base model.
+        batches: collated cache batches (``input_ids``, ``hidden``, ``attention_mask``, ``loss_mask``).
+
+    Returns:
+        ``{"layer<l>": {"slot<j>": {"newest", "self", "older": mean probability mass (float in
+        [0, 1], averaged over heads and loss positions), "positions": int}}}``.
+
+    Raises:
+        ValueError: ``head`` is not a Falcon head.
+    """
+    if getattr(head, "head_type", None) != "falcon":
+        raise ValueError(f"not a Falcon head: {type(head).__name__}")
+    impl = head.layer_config._attn_implementation
+    head.layer_config._attn_implementation = "eager"  # eager attention returns its probabilities
+    captured: list[torch.Tensor] = []
+    hooks = [layer.self_attn.register_forward_hook(lambda _m, _i, out: captured.append(out[1]))
+             for layer in head.layers]
+    k = head.k
+    sums: dict[tuple[int, int], torch.Tensor] = {}
+    try:
+        for batch in batches:
+            inp = head.prepare_inputs(batch)
+            captured.clear()
+            head.forward_train(inp["F_in"], inp["X_in"], inp["valid"])
+            T = inp["mask"].shape[1]
+            t = torch.arange(T)
+            newest = ((t // k) + 1) * k - 1              # the block's last position, per query
+            block_start = (t // k) * k
+            for layer, probs in enumerate(captured):     # [B, heads, T, T]
+                p = probs.float().mean(1)                # [B, T, T]
+                q = torch.arange(T)
+                on_newest = p[:, q, newest.clamp(max=T - 1)]
+                on_self = p[:, q, q]
+                before = torch.cat([torch.zeros_like(p[..., :1]), p.cumsum(-1)], dim=-1)  # [B, T, T+1]
+                older = before[:, q, block_start]        # mass on keys < the query's block start
+                for j in range(k):
+                    sel = inp["mask"] & ((t % k) == j)[None]
+                    acc = sums.setdefault((layer, j), torch.zeros(4, dtype=torch.float64))
+                    acc += torch.tensor([float(on_newest[sel].sum()), float(on_self[sel].sum()),
+                                         float(older[sel].sum()), float(sel.sum())], dtype=torch.float64)
+    finally:
+        for h in hooks:
+            h.remove()
+        head.layer_config._attn_implementation = impl
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (layer, j), (n, s, o, c) in sorted(sums.items()):
+        out.setdefault(f"layer{layer}", {})[f"slot{j}"] = {
+            "newest": float(n / c), "self": float(s / c), "older": float(o / c), "positions": int(c)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoints", nargs="+", help="exported Falcon head directories (best/ or last/)")
+    ap.add_argument("--cache", required=True, help="prepared cache directory (with train/ and val/)")
+    ap.add_argument("--split", default="val")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--model-path", default=None, help="base model (default: the packaged SmolLM2), as model.path")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    model, _, _ = load_base_model({"path": args.model_path, "dtype": "float32"})
+    reader = open_split(args.cache, args.split)
+    results = {}
+    for ckpt in args.checkpoints:
+        head, _ = heads.load(ckpt, base_model=model)
+        head.eval()
+        collate = default_collate(reader.pad_id)
+        batches = (collate([reader[i] for i in range(s, min(s + args.batch_size, len(reader)))])
+                   for s in range(0, len(reader), args.batch_size))
+        results[ckpt] = attention_mass(head, batches)
+    print(json.dumps(results, indent=2))
+    if args.out:
+        atomic_write_json(args.out, results)
+
+
+if __name__ == "__main__":
+    main()
