@@ -24,22 +24,11 @@ Raises:
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import heads  # noqa: E402
-from core.base_model import load_base_model  # noqa: E402
-from core.io import atomic_write_json  # noqa: E402
-from train.data import default_collate, open_split  # noqa: E402
+from _heads_cli import run_per_checkpoint
 
 
 @torch.no_grad()
@@ -98,29 +87,5 @@ def attention_mass(head, batches: Iterable[dict[str, Any]]) -> dict[str, dict[st
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoints", nargs="+", help="exported Falcon head directories (best/ or last/)")
-    ap.add_argument("--cache", required=True, help="prepared cache directory (with train/ and val/)")
-    ap.add_argument("--split", default="val")
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--model-path", default=None, help="base model (default: the packaged SmolLM2), as model.path")
-    ap.add_argument("--out", default=None, help="also write the JSON here")
-    args = ap.parse_args()
-    model, _, _ = load_base_model({"path": args.model_path, "dtype": "float32"})
-    reader = open_split(args.cache, args.split)
-    results = {}
-    for ckpt in args.checkpoints:
-        head, _ = heads.load(ckpt, base_model=model)
-        head.eval()
-        collate = default_collate(reader.pad_id)
-        batches = (collate([reader[i] for i in range(s, min(s + args.batch_size, len(reader)))])
-                   for s in range(0, len(reader), args.batch_size))
-        results[ckpt] = attention_mass(head, batches)
-    print(json.dumps(results, indent=2))
-    if args.out:
-        atomic_write_json(args.out, results)
-
-
 if __name__ == "__main__":
-    main()
+    run_per_checkpoint(__doc__, attention_mass)
