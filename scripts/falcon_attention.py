@@ -11,13 +11,15 @@ and reports their mass on
 * ``newest``: the block's last position (for k = 1 and for slot k−1 this is the query itself),
 * ``self``: the query's own position,
 * ``older``: everything before the query's block,
+* ``uniform``: what a flat spread would put on any one position (the mean of 1 / the number of
+  positions the query sees), the reference for ``newest`` and ``self``,
 
 per block slot j, averaged over positions.  Run on the same cache split as validation::
 
     .venv/bin/python scripts/falcon_attention.py outputs/runs/falcon/falcon-tf640/best \
         outputs/runs/falcon/falcon_k1-tf640/best --cache outputs/cache/real_tf640 [--out attn.json]
 
-Prints ``{checkpoint: {"layer<l>": {"slot<j>": {"newest", "self", "older", "positions"}}}}``.
+Prints ``{checkpoint: {"layer<l>": {"slot<j>": {"newest", "self", "older", "uniform", "positions"}}}}``.
 
 Raises:
     ValueError: a checkpoint that is not a Falcon head.
@@ -40,8 +42,8 @@ def attention_mass(head, batches: Iterable[dict[str, Any]]) -> dict[str, dict[st
         batches: collated cache batches (``input_ids``, ``hidden``, ``attention_mask``, ``loss_mask``).
 
     Returns:
-        ``{"layer<l>": {"slot<j>": {"newest", "self", "older": mean probability mass (float in
-        [0, 1], averaged over heads and loss positions), "positions": int}}}``.
+        ``{"layer<l>": {"slot<j>": {"newest", "self", "older", "uniform": mean probability mass
+        (float in [0, 1], averaged over heads and loss positions), "positions": int}}}``.
 
     Raises:
         ValueError: ``head`` is not a Falcon head.
@@ -71,19 +73,22 @@ def attention_mass(head, batches: Iterable[dict[str, Any]]) -> dict[str, dict[st
                 on_self = p[:, q, q]
                 before = torch.cat([torch.zeros_like(p[..., :1]), p.cumsum(-1)], dim=-1)  # [B, T, T+1]
                 older = before[:, q, block_start]        # mass on keys < the query's block start
+                n_visible = (inp["valid"][:, None, :] & (t[None, None, :] <= newest[None, :, None])).sum(-1)
                 for j in range(k):
                     sel = inp["mask"] & ((t % k) == j)[None]
-                    acc = sums.setdefault((layer, j), torch.zeros(4, dtype=torch.float64))
+                    acc = sums.setdefault((layer, j), torch.zeros(5, dtype=torch.float64))
                     acc += torch.tensor([float(on_newest[sel].sum()), float(on_self[sel].sum()),
-                                         float(older[sel].sum()), float(sel.sum())], dtype=torch.float64)
+                                         float(older[sel].sum()), float((1.0 / n_visible[sel].double()).sum()),
+                                         float(sel.sum())], dtype=torch.float64)
     finally:
         for h in hooks:
             h.remove()
         head.layer_config._attn_implementation = impl
     out: dict[str, dict[str, dict[str, float]]] = {}
-    for (layer, j), (n, s, o, c) in sorted(sums.items()):
+    for (layer, j), (n, s, o, u, c) in sorted(sums.items()):
         out.setdefault(f"layer{layer}", {})[f"slot{j}"] = {
-            "newest": float(n / c), "self": float(s / c), "older": float(o / c), "positions": int(c)}
+            "newest": float(n / c), "self": float(s / c), "older": float(o / c), "uniform": float(u / c),
+            "positions": int(c)}
     return out
 
 

@@ -337,9 +337,11 @@ def test_attention_diagnostic_matches_bruteforce_layer0(base):
         newest = sum(float(probs[bb, t, (t // k) * k + k - 1]) for bb, t in rows) / len(rows)
         own = sum(float(probs[bb, t, t]) for bb, t in rows) / len(rows)
         older = sum(float(probs[bb, t, : (t // k) * k].sum()) for bb, t in rows) / len(rows)
+        flat = sum(1.0 / int(visible[bb, 0, t].sum()) for bb, t in rows) / len(rows)
         got = out["layer0"][f"slot{j}"]
         assert got["positions"] == len(rows)
-        assert (got["newest"], got["self"], got["older"]) == pytest.approx((newest, own, older), abs=1e-5)
+        assert (got["newest"], got["self"], got["older"], got["uniform"]) == pytest.approx(
+            (newest, own, older, flat), abs=1e-5)
     # slot 0 of a k=2 block sees older blocks, itself and its partner (the newest) and nothing else
     s0 = out["layer0"]["slot0"]
     assert s0["newest"] + s0["self"] + s0["older"] == pytest.approx(1.0, abs=1e-5)
