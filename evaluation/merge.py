@@ -9,18 +9,18 @@ atomically), and prints the command that writes the reports: the same evaluation
 which decodes only prompts that no shard finished.
 
 ``OUT_DIR`` may be one of the shards (it is merged in place) or a new directory; an existing
-``progress.jsonl`` there that is not one of the shards is never overwritten.
+``progress.jsonl`` there that is not one of the shards is never overwritten.  Merge finished
+shards only: a shard whose evaluation is still running keeps appending to its own file.
 
 Exit status: 0 on success, 2 on an input error (the message names the shard).
 """
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from evaluation.runner import read_progress, write_progress
+from evaluation.runner import UNFINGERPRINTED_EVAL_KEYS, read_progress, write_progress
 
 USAGE = "usage: python -m evaluation.merge OUT_DIR SHARD_DIR [SHARD_DIR ...]"
 
@@ -28,22 +28,29 @@ USAGE = "usage: python -m evaluation.merge OUT_DIR SHARD_DIR [SHARD_DIR ...]"
 def merge_progress(out_dir: Path, shard_dirs: Sequence[Path]) -> dict[str, Any]:
     """Merge the shards' ``progress.jsonl`` files into ``out_dir/progress.jsonl``.
 
-    Records are kept in shard order, then file order; a prompt finished by several shards is kept
-    once (the first), after checking that both decoded the same prompt (its token SHA-256).  The
-    first shard's ``config.yaml`` is copied when ``out_dir`` has none.
+    Records are kept in the order the shards are given, then file order; a prompt finished by
+    several shards is kept once (the first), after checking that both decoded the same prompt (its
+    token SHA-256).  A shard named twice is read once; a shard's torn last line (a crash
+    mid-write) is dropped and counted.
 
     Returns:
-        ``{"prompts": n merged, "per_shard": {shard: n records}, "duplicates": n, "path": str}``.
+        ``{"prompts": n merged, "per_shard": {shard: n records}, "duplicates": n, "torn": [shards],
+        "path": str}``.
 
     Raises:
-        ValueError: a shard has no ``progress.jsonl`` or an unreadable one; the shards differ in
-            configuration or checkpoint weights; one prompt id carries different prompts; or
-            ``out_dir`` already holds results that are not one of the shards.
+        ValueError: a shard has no ``progress.jsonl`` or an unreadable one (the message names the
+            file and line); the shards differ in configuration or checkpoint weights; one prompt
+            id carries different prompts; or ``out_dir`` already holds results that are not one of
+            the shards.
+        OSError: ``out_dir`` cannot be created or written.
     """
     if not shard_dirs:
         raise ValueError("no shard directories given")
     out_dir = Path(out_dir)
-    shards = [Path(s) for s in shard_dirs]
+    shards: list[Path] = []
+    for s in map(Path, shard_dirs):  # the same directory named twice (also via another path) is read once
+        if not any(_same(s, seen) for seen in shards):
+            shards.append(s)
     target = out_dir / "progress.jsonl"
     if target.is_file() and target.stat().st_size and not any(_same(s, out_dir) for s in shards):
         raise ValueError(f"{target} already holds results and is not one of the shards: name {out_dir} as a "
@@ -51,12 +58,14 @@ def merge_progress(out_dir: Path, shard_dirs: Sequence[Path]) -> dict[str, Any]:
     header = None
     merged: dict[str, dict[str, Any]] = {}
     per_shard: dict[str, int] = {}
-    duplicates = 0
+    duplicates, torn = 0, []
     for shard in shards:
         path = shard / "progress.jsonl"
         if not path.is_file():
             raise ValueError(f"shard {shard}: no progress.jsonl (is it an eval.output_dir?)")
-        head, records = read_progress(path)
+        head, records, was_torn = read_progress(path)
+        if was_torn:
+            torn.append(str(shard))
         if header is None:
             header, first = head, shard
         elif head.get("weights") != header.get("weights"):
@@ -64,7 +73,7 @@ def merge_progress(out_dir: Path, shard_dirs: Sequence[Path]) -> dict[str, Any]:
                              f"({head.get('weights')} vs {header.get('weights')}); its records cannot be combined")
         elif head.get("fingerprint") != header.get("fingerprint"):
             raise ValueError(f"shard {shard} ran a different model/heads/eval configuration than shard {first} "
-                             "(only eval.num_prompts, eval.prompt_offset, eval.output_dir and eval.threads may differ)")
+                             f"(only eval.{', eval.'.join(UNFINGERPRINTED_EVAL_KEYS)} may differ)")
         per_shard[str(shard)] = len(records)
         for pid, rec in records.items():
             if pid in merged:
@@ -74,11 +83,12 @@ def merge_progress(out_dir: Path, shard_dirs: Sequence[Path]) -> dict[str, Any]:
                 duplicates += 1
                 continue
             merged[pid] = rec
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"OUT_DIR {out_dir} exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_progress(target, header, merged.values())
-    if not (out_dir / "config.yaml").is_file() and (shards[0] / "config.yaml").is_file():
-        shutil.copyfile(shards[0] / "config.yaml", out_dir / "config.yaml")
-    return {"prompts": len(merged), "per_shard": per_shard, "duplicates": duplicates, "path": str(target)}
+    return {"prompts": len(merged), "per_shard": per_shard, "duplicates": duplicates, "torn": torn,
+            "path": str(target)}
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -101,9 +111,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"error: {exc.filename or args[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     shards = ", ".join(f"{s}: {n}" for s, n in out["per_shard"].items())
     print(f"merged {out['prompts']} prompt(s) into {out['path']} ({shards}; {out['duplicates']} duplicate(s) kept once)")
-    print("write the reports with the shards' command plus: eval.prompt_offset=0 eval.num_prompts=<all> "
+    for shard in out["torn"]:
+        print(f"note: {shard}/progress.jsonl ended in a torn line (a crash mid-write); that prompt is decoded again")
+    print("write the reports with the shards' command plus: eval.prompt_offset=0 "
+          f"eval.num_prompts={out['prompts']} (or the full count, to decode what no shard finished) "
           f"eval.output_dir={args[0]} resume=auto")
     return 0
 

@@ -291,6 +291,10 @@ def prompt_digest(input_ids: torch.Tensor) -> str:
     return sha256_json([int(t) for t in input_ids.reshape(-1).tolist()])
 
 
+# eval keys that do not change any prompt's result; shards may differ in these
+UNFINGERPRINTED_EVAL_KEYS = ("output_dir", "threads", "warmup", "fail_on_mismatch", "num_prompts", "prompt_offset")
+
+
 def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, str]]:
     """What determines an evaluation's per-prompt results (not where they go): a hash of the
     model, heads, prompt and eval settings and the seed, and each checkpoint's weights-file SHA-256
@@ -300,7 +304,7 @@ def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, str]]:
     ev = dict(to_container(cfg.eval))
     # num_prompts / prompt_offset are left out: records are per prompt (checked by token hash), so a
     # larger num_prompts extends a finished evaluation, and shards (prompt_offset) can be combined
-    for k in ("output_dir", "threads", "warmup", "fail_on_mismatch", "num_prompts", "prompt_offset"):
+    for k in UNFINGERPRINTED_EVAL_KEYS:
         ev.pop(k, None)
     weights = {}  # a retrained checkpoint at the same path must not reuse old results
     for c in [ev.get("checkpoint")] + [v.get("checkpoint") for v in (ev.get("variants") or []) if isinstance(v, dict)]:
@@ -312,21 +316,34 @@ def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, str]]:
                         "eval": ev, "seed": cfg.get("seed")}), weights
 
 
-def read_progress(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """Read a ``progress.jsonl`` (see :class:`Progress`): ``(header, {prompt id: record})``.
+RECORD_KEYS = ("id", "prompt_sha256", "vanilla", "methods")
 
-    A torn last line (a crash mid-write) is dropped; that prompt is simply decoded again.
+
+def read_progress(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]], bool]:
+    """Read a ``progress.jsonl`` (see :class:`Progress`): ``(header, {prompt id: record}, torn)``.
+
+    A torn last line (a crash mid-write) is dropped and reported as ``torn=True``; that prompt is
+    simply decoded again.
 
     Raises:
-        ValueError: the header is unreadable, or a record before the last line is corrupt (the
-            message names the file and line).
+        ValueError: the file is not UTF-8, its header is not ``{"fingerprint": str, "weights":
+            {...}}``, or a record is not a JSON object with ``id``, ``prompt_sha256``, ``vanilla``
+            and ``methods`` (a corrupt line before the last one included); the message names the
+            file and line.
     """
-    lines = path.read_text(encoding="utf-8").split("\n")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start}); move it away to start over") from exc
     try:
         head = json.loads(lines[0])
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: unreadable header ({exc}); move it away to start over") from exc
+    if not (isinstance(head, dict) and isinstance(head.get("fingerprint"), str)
+            and isinstance(head.get("weights", {}), dict)):
+        raise ValueError(f"{path}:1: not a progress header (expected {{\"fingerprint\": ..., \"weights\": ...}})")
     records: dict[str, dict[str, Any]] = {}
+    torn = False
     for k, line in enumerate(lines[1:], start=2):
         if not line.strip():
             continue
@@ -334,12 +351,15 @@ def read_progress(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]
             rec = json.loads(line)
         except json.JSONDecodeError:
             if k == len(lines) or all(not x.strip() for x in lines[k:]):
-                break  # torn final line
+                torn = True  # torn final line
+                break
             raise ValueError(f"{path}:{k}: corrupt record; move the file away to start over")
-        if not isinstance(rec, dict) or "id" not in rec:
-            raise ValueError(f"{path}:{k}: a record without a prompt 'id'; move the file away to start over")
+        missing = [key for key in RECORD_KEYS if not isinstance(rec, dict) or key not in rec]
+        if missing:
+            raise ValueError(f"{path}:{k}: not a prompt record (missing {', '.join(missing)}); "
+                             "move the file away to start over")
         records[str(rec["id"])] = rec
-    return head, records
+    return head, records, torn
 
 
 def write_progress(path: Path, header: dict[str, Any], records) -> None:
@@ -369,7 +389,7 @@ class Progress:
             raise ValueError(f"resume={resume!r}: evaluation takes resume=auto (continue {path.name} in "
                              "eval.output_dir) or nothing")
         if path.is_file() and path.stat().st_size:
-            head, self.records = read_progress(path)
+            head, self.records, _ = read_progress(path)
             if resume != "auto":
                 raise ValueError(f"{path} already holds results of {len(self.records)} prompt(s): "
                                  "pass resume=auto to continue them, or choose another eval.output_dir")

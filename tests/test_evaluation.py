@@ -287,7 +287,7 @@ def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path)
     assert fp("eval.output_dir=/elsewhere", "eval.threads=1") == base
     assert fp("eval.max_new_tokens=7")[0] != base[0] and fp("eval.num_prompts=3") == base
     progress = Progress(tmp_path / "progress.jsonl", base, None)
-    progress.append({"id": "a", "vanilla": {}, "methods": []})
+    progress.append({"id": "a", "prompt_sha256": "h", "vanilla": {}, "methods": []})
     (ckpt / "model.safetensors").write_bytes(b"v2")  # retrained in place
     assert fp()[1] != base[1] and fp()[0] == base[0]
     with pytest.raises(ValueError, match=f"weights of checkpoint {ckpt} changed"):
@@ -324,7 +324,10 @@ def test_sharded_evaluation_merges_and_resumes_without_redecoding(tiny_base, tin
 def test_merge_refuses_shards_of_different_runs(tmp_path):
     """Shards with another configuration, other checkpoint weights or another prompt under the same
     id are refused, naming the shard, and nothing is written."""
-    def shard(name, fingerprint="f", weights=None, records=({"id": "p1", "prompt_sha256": "h1"},)):
+    def rec(pid, sha):
+        return {"id": pid, "prompt_sha256": sha, "vanilla": {}, "methods": []}
+
+    def shard(name, fingerprint="f", weights=None, records=(rec("p1", "h1"),)):
         d = tmp_path / name
         d.mkdir()
         write_progress(d / "progress.jsonl", {"fingerprint": fingerprint, "weights": weights or {"c": "w"}}, records)
@@ -333,7 +336,7 @@ def test_merge_refuses_shards_of_different_runs(tmp_path):
     a = shard("a")
     cases = [(shard("cfg", fingerprint="g"), "ran a different model/heads/eval configuration"),
              (shard("w", weights={"c": "w2"}), "other checkpoint weights"),
-             (shard("p", records=[{"id": "p1", "prompt_sha256": "h2"}]), "prompt 'p1' holds different prompts")]
+             (shard("p", records=[rec("p1", "h2")]), "prompt 'p1' holds different prompts")]
     for other, message in cases:
         with pytest.raises(ValueError, match=message) as err:
             merge_progress(tmp_path / "out", [a, other])
@@ -342,6 +345,19 @@ def test_merge_refuses_shards_of_different_runs(tmp_path):
     with pytest.raises(ValueError, match="no progress.jsonl"):
         merge_progress(tmp_path / "out", [a, tmp_path / "missing"])
     (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "progress.jsonl").write_text('{"fingerprint": "f"}\n{"no_id": 1}\n')
-    with pytest.raises(ValueError, match=r"progress.jsonl:2: a record without a prompt 'id'"):
-        merge_progress(tmp_path / "out", [tmp_path / "bad"])
+    bad = tmp_path / "bad" / "progress.jsonl"
+    for text, message in [('{"fingerprint": "f"}\n{"id": 1}\n', r"progress.jsonl:2: not a prompt record \(missing prompt_sha256"),
+                          ('{"id": "p1", "prompt_sha256": "h"}\n', r"progress.jsonl:1: not a progress header"),
+                          ('[1, 2]\n', r"progress.jsonl:1: not a progress header"),
+                          (b'{"fingerprint": "f"}\n\xff\n', r"progress.jsonl: not UTF-8")]:
+        bad.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ValueError, match=message):
+            merge_progress(tmp_path / "out", [bad.parent])
+    assert not (tmp_path / "out").exists()
+    # a torn last line is dropped and reported; OUT_DIR that is a file is a clear error
+    (a / "progress.jsonl").write_text((a / "progress.jsonl").read_text() + '{"id": "p2", "prom')
+    out = merge_progress(tmp_path / "out", [a, a])
+    assert out["prompts"] == 1 and out["torn"] == [str(a)] and out["duplicates"] == 0
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        merge_progress(tmp_path / "afile", [a])
