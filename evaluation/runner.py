@@ -261,6 +261,9 @@ def _report(info, identity, device, model, ev, prompts, skipped, max_new, eos_id
         "speedup": (method["tokens_per_s"] / vanilla["tokens_per_s"]) if method.get("tokens_per_s") and vanilla["tokens_per_s"] else None,
         "parity": parity,
         "temperature": temperature,
+        # the eval settings this method ran with (a variant's overrides merged in); ``info.head_config``
+        # is the checkpoint's own config, whose decoding defaults eval keys such as falcon_tree override
+        "eval": {k: v for k, v in to_container(ev).items() if k != "variants"},
         "vanilla": vanilla, "method": method, "per_prompt": rows,
         "output_dir": str(out_dir),
     }

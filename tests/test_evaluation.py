@@ -107,6 +107,7 @@ def test_variants_share_one_vanilla_pass(tiny_model_dir, tmp_path, prompts_file,
     assert orc["parity"]["matched"] == rnd["parity"]["matched"] == 3
     assert orc["acceptance_per_depth"] == [1.0, 1.0, 1.0] and orc["tau"] > 3.0
     assert rnd["info"]["reference_depth"] == 2 and rnd["tau"] < 1.2
+    assert (orc["eval"]["reference_depth"], rnd["eval"]["reference_depth"]) == (3, 2)  # the settings each ran with
     assert orc["speedup"] == pytest.approx(orc["method"]["tokens_per_s"] / orc["vanilla"]["tokens_per_s"])
     summary = json.loads((out / "summary.json").read_text())
     assert [r["variant"] for r in summary["variants"]] == ["orc", "checkpoint=random,reference_depth=2"]
