@@ -39,7 +39,8 @@ DEFAULTS: dict[str, Any] = {
     "attn_implementation": "sdpa",
     "noise": {"type": "uniform", "scale": 0.1},
     "loss": {"alpha": 0.9, "omega": 0.1, "beta": 1.0},
-    "glancing": {"enabled": True, "schedule": "linear", "unit": "step", "scale": 0.4, "offset": 0.0},
+    "glancing": {"enabled": True, "schedule": "linear", "unit": "step", "scale": 0.4, "offset": 0.0,
+                 "glanced_in_loss": False},
     "decoding": {"passes": 4, "tree": {"node_children": None, "depth_children": [4, 2, 2, 1], "paths": None}},
 }
 
@@ -75,6 +76,8 @@ def check_falcon_config(c: dict[str, Any]) -> None:
     if g["enabled"] and c["block_size"] < 2:
         bad("glancing.enabled", "glancing needs block_size >= 2 (k=1 is the EAGLE-1 baseline: set glancing.enabled=false)")
     glancing_ratio(g, Progress())  # raises on unknown schedule / unit
+    if not isinstance(g["glanced_in_loss"], bool):
+        bad("glancing.glanced_in_loss", f"must be true or false, got {g['glanced_in_loss']!r}")
     if not isinstance(c["decoding"]["passes"], int) or c["decoding"]["passes"] < 1:
         bad("decoding.passes", f"must be an int >= 1, got {c['decoding']['passes']!r}")
 
@@ -108,7 +111,7 @@ class FalconHead(DraftHead):
     Config (``configs/heads/falcon.yaml``): ``block_size`` k, ``num_layers`` D, ``fuse``
     (``linear``|``lstm``), ``lstm_layers``, ``lstm_dropout``, ``attn_implementation``, ``noise``
     (``type`` uniform|length_scaled|none, ``scale``), ``loss`` (``alpha``, ``omega``, ``beta``),
-    ``glancing`` (``enabled``, ``schedule``, ``unit``, ``scale``, ``offset``; see
+    ``glancing`` (``enabled``, ``schedule``, ``unit``, ``scale``, ``offset``, ``glanced_in_loss``; see
     :func:`losses.falcon.glancing_ratio`), ``decoding`` (``passes`` m, ``tree``; see
     :mod:`decoding.falcon`).
 
@@ -250,8 +253,9 @@ class FalconHead(DraftHead):
         Pass A (no grad, train mode) → per-row Hamming distance d_b between the drafter's argmax
         and the teacher argmax over the loss positions; R = :func:`glancing_positions` with
         λ = :func:`glancing_ratio`; coupled replacement F_in ← F_tgt, X_in ← G on R, and R leaves
-        the loss mask; pass B with grad.  Noise goes on F_in before glancing (replaced slots get
-        the clean ground truth).
+        the loss mask (METHODS §1.4 Rec., as GLAT; ``glancing.glanced_in_loss: true`` keeps R in
+        the loss, as the official code does); pass B with grad.  Noise goes on F_in before
+        glancing (replaced slots get the clean ground truth).
         """
         inp = self.prepare_inputs(batch)
         valid, mask = inp["valid"], inp["mask"]
@@ -272,7 +276,8 @@ class FalconHead(DraftHead):
             R, _ = glancing_positions(mask, distance, lam, self.k)
             F_in = torch.where(R[..., None], inp["F_tgt"], F_in)
             X_in = torch.where(R, inp["G"], X_in)
-            mask = mask & ~R
+            if not g["glanced_in_loss"]:
+                mask = mask & ~R
             glanced = int(R.sum())
             metrics["hamming"] = float(distance.float().mean())
         pred = self.forward_train(F_in, X_in, valid)

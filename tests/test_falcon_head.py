@@ -121,10 +121,13 @@ def test_glancing_positions_count_and_placement(k):
         glancing_positions(mask, dist, lam, 1)
 
 
-def test_glancing_is_coupled_and_leaves_loss(base, monkeypatch):
+@pytest.mark.parametrize("in_loss", [False, True])
+def test_glancing_is_coupled_and_leaves_loss(base, monkeypatch, in_loss):
+    """CSGD (METHODS §1.4): per-row count, coupled replacement; glanced positions leave the loss
+    unless ``glancing.glanced_in_loss`` (the official code's choice) keeps them."""
     import heads.falcon as hf
 
-    head = _head(base, block_size=2, noise={"type": "none"}).train()
+    head = _head(base, block_size=2, noise={"type": "none"}, glancing={"glanced_in_loss": in_loss}).train()
     b = _batch(base, B=3, T=20)
     seen = {}
     real_pos = hf.glancing_positions
@@ -161,7 +164,7 @@ def test_glancing_is_coupled_and_leaves_loss(base, monkeypatch):
     assert torch.equal(fb[R], inp["F_tgt"][R]) and torch.equal(xb[R], inp["G"][R])
     assert torch.equal(fb[~R], inp["F_in"][~R]) and torch.equal(xb[~R], inp["X_in"][~R])
     assert torch.equal(inp["G"][R], b["input_ids"][R.nonzero()[:, 0], R.nonzero()[:, 1] + 3])
-    assert metrics["loss_tokens"] == float(inp["mask"].sum() - R.sum())
+    assert metrics["loss_tokens"] == float(inp["mask"].sum() - (0 if in_loss else R.sum()))
     assert metrics["glanced_tokens"] == float(R.sum())
 
 
