@@ -310,6 +310,20 @@ def test_train_loss_decreases_and_exports_roundtrip(tiny_base, tiny_cache, tmp_p
     assert last_ckpt["optimizer_states"][0]["state"][0]["step"] == 24
 
 
+def test_bad_head_value_is_a_user_error_before_any_run_dir(tiny_base, tiny_cache, tmp_path):
+    """A bad ``heads`` value (caught by the head's constructor) is a one-line UserInputError, raised
+    before the run directory is created."""
+    from core.config import UserInputError
+    from train.run import train
+
+    cfg = _cfg(tmp_path, tiny_cache, max_steps=1)
+    with open_dict(cfg):
+        cfg.heads = OmegaConf.create({"type": "falcon", "glancing": {"glanced_in_loss": "maybe"}})
+    with pytest.raises(UserInputError, match="heads.glancing.glanced_in_loss: must be true or false"):
+        train(cfg, base=tiny_base)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_train_config_errors():
     for bad, match in [("train.optimizer.lr=0", "lr"), ("train.scheduler.name=step", "scheduler.name"),
                        ("train.logger=tensorboard", "train.logger"), ("train.no_such_key=1", "no_such_key"),

@@ -218,7 +218,9 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     Raises:
         FileNotFoundError: the cache (or one of its splits) does not exist.
         ValueError: the cache was made with a different base model (vocab / hidden size).
-        UserInputError: a fresh run (no ``resume``) would overwrite an existing run directory.
+        UserInputError: a fresh run (no ``resume``) would overwrite an existing run directory; a
+            bad ``heads`` / ``train`` value (raised before the run directory is created); the
+            cache lacks a hidden-state layer the head reads.
     """
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     if base is None:
@@ -237,10 +239,15 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     run_dir = resume_dir or run_dir_for(cfg)
     if ckpt_path is None:
         refuse_existing_run(run_dir)
+    from core.config import UserInputError
+
+    try:  # a bad heads/train value is the user's to fix: one line, and no run directory left behind
+        module = DraftHeadModule(cfg.heads, cfg.train, base_model=model)
+    except ValueError as exc:
+        raise UserInputError(str(exc)) from exc
+    check_cache_layers(module.head, datamodule)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir)
-    module = DraftHeadModule(cfg.heads, cfg.train, base_model=model)
-    check_cache_layers(module.head, datamodule)
     trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks)
     for lg in trainer.loggers:  # rank-zero-only inside Lightning's loggers
         lg.log_hyperparams({**to_container(cfg), "world_size": trainer.world_size})
