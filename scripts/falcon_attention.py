@@ -66,16 +66,16 @@ def attention_mass(head, batches: Iterable[dict[str, Any]]) -> dict[str, dict[st
             t = torch.arange(T)
             newest = ((t // k) + 1) * k - 1              # the block's last position, per query
             block_start = (t // k) * k
+            # layer-independent: positions each query sees (flat reference) and the loss positions per slot
+            n_visible = (inp["valid"][:, None, :] & (t[None, None, :] <= newest[None, :, None])).sum(-1)
+            slots = [inp["mask"] & ((t % k) == j)[None] for j in range(k)]
             for layer, probs in enumerate(captured):     # [B, heads, T, T]
                 p = probs.float().mean(1)                # [B, T, T]
-                q = torch.arange(T)
-                on_newest = p[:, q, newest.clamp(max=T - 1)]
-                on_self = p[:, q, q]
+                on_newest = p[:, t, newest.clamp(max=T - 1)]
+                on_self = p[:, t, t]
                 before = torch.cat([torch.zeros_like(p[..., :1]), p.cumsum(-1)], dim=-1)  # [B, T, T+1]
-                older = before[:, q, block_start]        # mass on keys < the query's block start
-                n_visible = (inp["valid"][:, None, :] & (t[None, None, :] <= newest[None, :, None])).sum(-1)
-                for j in range(k):
-                    sel = inp["mask"] & ((t % k) == j)[None]
+                older = before[:, t, block_start]        # mass on keys < the query's block start
+                for j, sel in enumerate(slots):
                     acc = sums.setdefault((layer, j), torch.zeros(5, dtype=torch.float64))
                     acc += torch.tensor([float(on_newest[sel].sum()), float(on_self[sel].sum()),
                                          float(older[sel].sum()), float((1.0 / n_visible[sel].double()).sum()),
