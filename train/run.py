@@ -26,7 +26,7 @@ from core.io import make_tmp_dir
 from omegaconf import DictConfig
 
 import heads
-from core.config import save_config, to_container
+from core.config import UserInputError, save_config, to_container
 from train.checkpoint_io import SafetensorsCheckpointIO
 from train.data import CacheDataModule
 from train.module import DraftHeadModule, head_monitor
@@ -239,8 +239,6 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     run_dir = resume_dir or run_dir_for(cfg)
     if ckpt_path is None:
         refuse_existing_run(run_dir)
-    from core.config import UserInputError
-
     try:  # a bad heads/train value is the user's to fix: one line, and no run directory left behind
         module = DraftHeadModule(cfg.heads, cfg.train, base_model=model)
     except ValueError as exc:
@@ -264,8 +262,6 @@ def check_cache_layers(head, datamodule) -> None:
     Raises:
         UserInputError: a split's manifest ``layers`` misses one of ``head.required_cache_layers``.
     """
-    from core.config import UserInputError
-
     need = [int(l) for l in getattr(head, "required_cache_layers", [])]
     for split in ("train", "val"):
         reader = getattr(datamodule, f"{split}_reader", None)
@@ -287,8 +283,6 @@ def refuse_existing_run(run_dir: Path) -> None:
         UserInputError: ``run_dir`` holds ``checkpoints/*.ckpt``, ``best/`` or ``last/`` (nothing
             is overwritten; the message says to resume or rename).
     """
-    from core.config import UserInputError
-
     found = sorted(str(p.relative_to(run_dir)) for p in [*run_dir.glob("checkpoints/*.ckpt"),
                                                           run_dir / "best" / "model.safetensors",
                                                           run_dir / "last" / "model.safetensors"] if p.is_file())
