@@ -218,8 +218,12 @@ class AdaDecodeDecoder:
         away unverified because an earlier in-flight token was rejected); per layer ``exits_l<ℓ>`` and
         ``accepted_l<ℓ>``; ``head_evals``; ``max_inflight_seen``; ``seconds``, ``tokens_per_s``.
         The final cache is kept as ``self.last_cache`` (prompt + tokens[:-1] at every layer).
+
+        Raises:
+            ValueError: bad ``prompt_ids`` / ``max_new_tokens``, or T + ``max_new_tokens`` beyond the
+                base's ``max_position_embeddings`` (:func:`decoding.vanilla.check_context_limit`).
         """
-        prompt_ids = check_generate_args(prompt_ids, max_new_tokens)
+        prompt_ids = check_generate_args(prompt_ids, max_new_tokens, self.model)
         t0 = time.perf_counter()
         L = self.L
         cache, first, hidden = prefill(self.model, prompt_ids)

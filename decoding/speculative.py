@@ -4,14 +4,22 @@ Loop (METHODS.md §0 tree attention, §4.1 greedy verification, §5.1 metrics):
 
 1. prefill the prompt; the argmax at its last position is the first emitted token (the root);
 2. ``drafter.draft(root)`` proposes a :class:`decoding.tree.DraftTree` rooted at it;
-3. one base forward verifies the tree (:func:`decoding.verify.verify_tree`); the root and the
-   accepted path stay in the KV cache, the accepted tokens and the bonus token are emitted;
-4. ``drafter.accept(tokens, hidden)`` hands the drafter what entered the cache; the bonus token is
-   the next root; repeat until eos or ``max_new_tokens`` (surplus accepted tokens are dropped,
-   so the output equals :func:`decoding.vanilla.greedy_generate` token for token).
+3. the tree is trimmed to what can still be emitted (:func:`trim_tree`): with R tokens left
+   in the ``max_new_tokens`` budget, depths > R − 1 are dropped (accepting R − 1 drafts plus the
+   bonus token already fills the budget), and no node goes past the context limit
+   (``max_position_embeddings``; prompt + budget beyond it is refused before decoding);
+4. one base forward verifies the tree (:func:`decoding.verify.verify_tree`); the root and the
+   accepted path stay in the KV cache, the accepted tokens and the bonus token are emitted up to
+   the first eos;
+5. ``drafter.accept(tokens, hidden)`` hands the drafter what entered the cache; the bonus token is
+   the next root; repeat until eos or ``max_new_tokens`` (so the output equals
+   :func:`decoding.vanilla.greedy_generate` token for token).
 
 τ convention (docs/design.md): tokens emitted per verification forward, bonus token included;
-the first token, produced by the prefill exactly as in vanilla decoding, is not counted.
+the first token, produced by the prefill exactly as in vanilla decoding, is not counted.  The
+statistics count only emitted tokens: a draft accepted by verification but cut by an eos before
+it is not counted as accepted, so Σ ``emitted_per_step`` = ``new_tokens`` − 1 =
+Σ ``accepted_per_depth`` + (steps whose bonus token was emitted) exactly.
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ from typing import Iterable, Protocol, runtime_checkable
 import torch
 
 from decoding.tree import DraftTree
-from decoding.vanilla import check_generate_args
+from decoding.vanilla import check_generate_args, context_limit
 from decoding.verify import prefill, verify_tree
 
 
@@ -67,15 +75,19 @@ class SpeculativeDecoder:
     ``generate`` returns ``(tokens, stats)`` with stats:
     ``new_tokens``; ``prefill_forwards`` (1); ``base_forwards`` (verification forwards);
     ``steps`` (= base_forwards); ``emitted_per_step`` (list, tokens each step emitted, bonus
-    included, after truncation); ``proposed_per_depth[d-1]`` (steps whose tree reached depth d);
-    ``reached_per_depth[d-1]`` (steps whose tree reached depth d and whose depths < d were all
-    accepted); ``accepted_per_depth[d-1]`` (steps that accepted a depth-d token);
-    ``tree_nodes`` (total draft nodes verified, root excluded); ``drafter_passes``;
-    ``drafter_seconds``; ``verify_seconds``; ``seconds`` (wall clock incl. prefill).
+    included, up to the first eos); ``proposed_per_depth[d-1]`` (steps whose verified, trimmed
+    tree reached depth d); ``reached_per_depth[d-1]`` (steps whose tree reached depth d and whose
+    depths < d were all accepted and emitted without an eos among them);
+    ``accepted_per_depth[d-1]`` (steps that accepted **and emitted** a depth-d token);
+    ``tree_nodes`` (total draft nodes verified, root excluded, after trimming);
+    ``drafter_passes``; ``drafter_seconds``; ``verify_seconds``; ``seconds`` (wall clock incl.
+    prefill).  With e tokens emitted by a step that verification accepted A drafts on, the step
+    counts min(A, e) accepted depths and min(A + 1, e) reached depths.
 
     Raises:
         TypeError: ``drafter`` lacks ``start``/``draft``/``accept``.
-        ValueError: a drafted tree's root is not the last emitted token.
+        ValueError: a drafted tree's root is not the last emitted token; prompt length +
+            ``max_new_tokens`` beyond the base's ``max_position_embeddings`` (raised before decoding).
     """
 
     def __init__(self, base_model, drafter, eos_token_ids: Iterable[int] = ()) -> None:
@@ -88,7 +100,8 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
         """Decode one prompt; see the class docstring for the stats."""
-        prompt_ids = check_generate_args(prompt_ids, max_new_tokens)
+        prompt_ids = check_generate_args(prompt_ids, max_new_tokens, self.base_model)
+        limit = context_limit(self.base_model)
         eos = set(self.eos_token_ids)
         drafter = self.drafter
         stats = {"prefill_forwards": 1, "base_forwards": 0, "steps": 0, "emitted_per_step": [],
@@ -116,6 +129,13 @@ class SpeculativeDecoder:
                 raise TypeError(f"drafter.draft returned {type(tree).__name__}, expected decoding.tree.DraftTree")
             if tree.root_token != root:
                 raise ValueError(f"drafted tree's root token {tree.root_token} is not the last emitted token {root}")
+            # the root sits at position P = cache length; depth d at P + d.  R = max_new_tokens −
+            # len(out) tokens remain: a depth-(R−1) draft plus its bonus token fill the budget.
+            past = cache.get_seq_length()
+            max_depth = max_new_tokens - len(out) - 1
+            if limit is not None:
+                max_depth = min(max_depth, limit - 1 - past)
+            tree = trim_tree(tree, max_depth)
             tv = time.perf_counter()
             res = verify_tree(self.base_model, cache, tree)
             stats["verify_seconds"] += time.perf_counter() - tv
@@ -123,14 +143,6 @@ class SpeculativeDecoder:
             stats["steps"] += 1
             stats["drafter_passes"] += int(tree.drafter_passes)
             stats["tree_nodes"] += tree.num_nodes - 1
-            depth, acc = tree.max_depth, res.num_accepted
-            grow(depth)
-            for d in range(1, depth + 1):
-                stats["proposed_per_depth"][d - 1] += 1
-                if acc >= d - 1:
-                    stats["reached_per_depth"][d - 1] += 1
-                if acc >= d:
-                    stats["accepted_per_depth"][d - 1] += 1
             emitted = 0
             stop = False
             for t in res.tokens[1:].tolist() + [res.bonus]:
@@ -140,6 +152,15 @@ class SpeculativeDecoder:
                     stop = True
                     break
             stats["emitted_per_step"].append(emitted)
+            # count only what was emitted: drafts after an eos were accepted but never output
+            depth, acc = tree.max_depth, res.num_accepted
+            grow(depth)
+            for d in range(1, depth + 1):
+                stats["proposed_per_depth"][d - 1] += 1
+                if d <= min(acc + 1, emitted):
+                    stats["reached_per_depth"][d - 1] += 1
+                if d <= min(acc, emitted):
+                    stats["accepted_per_depth"][d - 1] += 1
             if stop:
                 break
             td = time.perf_counter()
@@ -149,6 +170,26 @@ class SpeculativeDecoder:
         stats["seconds"] = time.perf_counter() - t0
         stats["new_tokens"] = len(out)
         return out, stats
+
+
+def trim_tree(tree: DraftTree, max_depth: int) -> DraftTree:
+    """``tree`` without its nodes deeper than ``max_depth`` (the same tree when none are).
+
+    Nodes are in canonical (depth-sorted) order, so the kept nodes are a prefix and keep their
+    indices, parents and scores; ``drafter_passes`` is kept (the drafter spent them).
+
+    Args:
+        tree: a :class:`DraftTree` with N nodes.
+        max_depth: deepest depth to keep (values < 0 act as 0: the root alone).
+
+    Returns:
+        A :class:`DraftTree` with the nodes of depth <= ``max_depth``.
+    """
+    if tree.max_depth <= max_depth:
+        return tree
+    keep = int((tree.depths <= max(int(max_depth), 0)).sum())
+    return DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.depths[:keep],
+                     None if tree.scores is None else tree.scores[:keep], tree.drafter_passes)
 
 
 def tau(stats: dict) -> float:

@@ -24,8 +24,44 @@ def eos_token_ids(tokenizer=None, base_model=None) -> list[int]:
     return sorted(ids)
 
 
-def check_generate_args(prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Validate a single prompt [T] (or [1, T]) and ``max_new_tokens``; return the prompt as [T] long."""
+def context_limit(base_model) -> int | None:
+    """The base model's context limit in positions: ``config.max_position_embeddings`` (None when
+    the config does not state one)."""
+    limit = getattr(getattr(base_model, "config", None), "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
+def check_context_limit(base_model, prompt_length: int, max_new_tokens: int, what: str = "",
+                        budget_key: str = "max_new_tokens") -> None:
+    """Refuse a prompt whose full sequence cannot fit the base model's context.
+
+    Rule (shared by every decoder in ``decoding/`` and checked by the evaluator before it writes
+    anything): prompt length T plus ``max_new_tokens`` N must be <= ``max_position_embeddings``,
+    i.e. the whole generated sequence fits the positions the model was trained on.  Nothing is
+    truncated silently.
+
+    Args:
+        prompt_length: T (tokens).  max_new_tokens: N.
+        what: a prefix for the message (e.g. the prompt's id); budget_key: the name N is given under.
+
+    Raises:
+        ValueError: T + N > max_position_embeddings; the message names T, N and the limit.
+    """
+    limit = context_limit(base_model)
+    if limit is not None and prompt_length + max_new_tokens > limit:
+        raise ValueError(f"{what}prompt of {prompt_length} tokens + {budget_key}={max_new_tokens} = "
+                         f"{prompt_length + max_new_tokens} tokens exceeds the base model's context limit "
+                         f"max_position_embeddings={limit}; shorten the prompt or lower {budget_key}")
+
+
+def check_generate_args(prompt_ids: torch.Tensor, max_new_tokens: int, base_model=None) -> torch.Tensor:
+    """Validate a single prompt [T] (or [1, T]) and ``max_new_tokens``; return the prompt as [T] long.
+
+    With ``base_model``, also :func:`check_context_limit` (T + max_new_tokens <= max_position_embeddings).
+
+    Raises:
+        ValueError: a bad ``max_new_tokens``, an empty or batched prompt, or one beyond the context limit.
+    """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
     prompt_ids = torch.as_tensor(prompt_ids)
@@ -33,6 +69,8 @@ def check_generate_args(prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.
         prompt_ids = prompt_ids[0]
     if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
         raise ValueError(f"prompt_ids must be one non-empty sequence [T], got shape {tuple(prompt_ids.shape)}")
+    if base_model is not None:
+        check_context_limit(base_model, int(prompt_ids.numel()), max_new_tokens)
     return prompt_ids.long()
 
 
@@ -52,7 +90,8 @@ def greedy_generate(base_model, prompt_ids: torch.Tensor, max_new_tokens: int,
         ``{"new_tokens", "base_forwards" (excluding prefill), "prefill_forwards": 1, "seconds"}``.
 
     Raises:
-        ValueError: bad ``prompt_ids`` or ``max_new_tokens``.
+        ValueError: bad ``prompt_ids`` or ``max_new_tokens``, or prompt + ``max_new_tokens`` beyond
+            ``max_position_embeddings`` (:func:`check_context_limit`).
     """
     return _generate(base_model, prompt_ids, max_new_tokens, eos_token_ids, lambda logits: int(logits.argmax()))
 
@@ -79,7 +118,7 @@ def _generate(base_model, prompt_ids, max_new_tokens: int, eos_token_ids: Iterab
               pick: Callable[[torch.Tensor], int]) -> tuple[list[int], dict]:
     """The KV-cached decoding loop shared by greedy and ancestral sampling: ``pick`` maps the last
     position's logits [V] to the next token; stop rule and stats as :func:`greedy_generate`."""
-    prompt_ids = check_generate_args(prompt_ids, max_new_tokens)
+    prompt_ids = check_generate_args(prompt_ids, max_new_tokens, base_model)
     eos = set(int(e) for e in eos_token_ids)
     t0 = time.perf_counter()
     cache = new_cache(base_model)

@@ -36,7 +36,7 @@ from core.config import save_config, to_container
 from core.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from decoding.reference import OracleDrafter, RandomDrafter
 from decoding.speculative import Decoder, Drafter, SpeculativeDecoder
-from decoding.vanilla import eos_token_ids, greedy_generate, sample_generate
+from decoding.vanilla import check_context_limit, eos_token_ids, greedy_generate, sample_generate
 from evaluation.metrics import TAU_CONVENTION, summarize_method
 from evaluation.prompts import load_prompts
 
@@ -439,7 +439,9 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     Raises:
         ParityError: ``eval.fail_on_mismatch`` and some prompt's output differed (after the
             reports were written); the message names the variants and prompt ids.
-        ValueError: a bad ``eval.variants`` entry or checkpoint (see :func:`build_decoder`).
+        ValueError: a bad ``eval.variants`` entry or checkpoint (see :func:`build_decoder`), or a
+            prompt + ``eval.max_new_tokens`` beyond the base's ``max_position_embeddings`` (raised
+            before anything is written; :func:`decoding.vanilla.check_context_limit`).
     """
     ev = cfg.eval
     if ev.get("threads"):
@@ -480,6 +482,9 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         return greedy_generate(model, ids, n, eos_ids)
 
     prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, tokenizer)
+    for p in prompts:  # before anything is written: prompt + eval.max_new_tokens must fit the context
+        check_context_limit(model, int(p.input_ids.numel()), int(ev.max_new_tokens), what=f"eval prompt {p.id!r}: ",
+                            budget_key="eval.max_new_tokens")
     out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, methods[0][3])
     out_dir.mkdir(parents=True, exist_ok=True)
     # refuses (before anything is written) when out_dir holds results and resume is not auto

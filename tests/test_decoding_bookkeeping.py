@@ -1,0 +1,174 @@
+"""Decoding bookkeeping (issue 12) on tiny Llamas (fp32):
+
+1. a drafter's tree depends only on the committed context: at every verification step the tree
+   drafted from the decoder's cached drafter state equals a fresh drafter's tree from the same
+   committed tokens and features, for every head (AdaDecode: its per-layer KV cache equals a fresh
+   forward over the committed tokens after every verification);
+2. statistics count only emitted tokens (eos on the first draft, mid-path, on the bonus token);
+3. trees stay inside the ``max_new_tokens`` budget and the context limit; a prompt + budget beyond
+   ``max_position_embeddings`` is a clear error before decoding;
+4. reference drafters give a prompt the same trees in any prompt order.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import heads
+from core.tiny import tiny_llama
+from decoding import speculative
+from decoding.reference import OracleDrafter, RandomDrafter
+from decoding.speculative import SpeculativeDecoder, tau
+from decoding.tree import DraftTree
+from decoding.vanilla import greedy_generate
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADS = ["ctc", "falcon", "falcon_noglance", "falcon_k1"]
+
+
+@pytest.fixture(scope="module")
+def varied():
+    """initializer_range=0.3: varied greedy outputs, and head weights of that scale (peaky attention)."""
+    return tiny_llama(seed=0, attn_implementation="eager", initializer_range=0.3)
+
+
+def _prompt(seed: int, n: int = 10, vocab: int = 384) -> torch.Tensor:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# -- 2. statistics count only emitted tokens -------------------------------------------------------
+def _check_totals(stats):
+    """τ × verification forwards = tokens emitted; per-depth counts are consistent."""
+    emitted = sum(stats["emitted_per_step"])
+    assert emitted == stats["new_tokens"] - 1
+    assert tau(stats) * stats["base_forwards"] == pytest.approx(emitted)
+    assert sum(stats["accepted_per_depth"]) <= emitted
+    for a, r, p in zip(stats["accepted_per_depth"], stats["reached_per_depth"], stats["proposed_per_depth"]):
+        assert a <= r <= p
+
+
+@pytest.fixture(scope="module")
+def distinct_greedy(varied):
+    """A prompt whose first 12 greedy tokens are distinct (so each can serve as the only eos)."""
+    for seed in range(100):
+        prompt = _prompt(seed)
+        g, _ = greedy_generate(varied, prompt, 12)
+        if len(set(g)) == 12:
+            return prompt, g
+    raise AssertionError("no prompt with 12 distinct greedy tokens")
+
+
+@pytest.mark.parametrize("eos_at,emitted,accepted,reached", [
+    (1, [1], [1, 0, 0, 0], [1, 0, 0, 0]),          # eos = the first draft token of the first step
+    (3, [3], [1, 1, 1, 0], [1, 1, 1, 0]),          # eos mid-path (depth 3)
+    (5, [5], [1, 1, 1, 1], [1, 1, 1, 1]),          # eos = the first step's bonus token
+    (7, [5, 2], [2, 2, 1, 1], [2, 2, 1, 1]),       # eos mid-path of the second step
+])
+def test_stats_count_only_emitted_tokens_at_eos(varied, distinct_greedy, eos_at, emitted, accepted, reached):
+    prompt, g = distinct_greedy
+    dec = SpeculativeDecoder(varied, OracleDrafter(varied, depth=4, width=2), [g[eos_at]])
+    out, st = dec.generate(prompt, 40)
+    assert out == g[:eos_at + 1]
+    assert st["emitted_per_step"] == emitted
+    assert st["accepted_per_depth"] == accepted and st["reached_per_depth"] == reached
+    assert st["proposed_per_depth"] == [len(emitted)] * 4
+    _check_totals(st)
+
+
+@pytest.mark.parametrize("max_new,emitted,proposed", [
+    (2, [1], []),                  # one token left: the root alone is verified, its bonus fills the budget
+    (3, [2], [1]),                 # two left: depth 1 + bonus (the depth-4 chain is cut to depth 1)
+    (8, [5, 2], [2, 1, 1, 1]),     # the second step's chain is cut to depth 1
+    (11, [5, 5], [2, 2, 2, 2]),
+])
+def test_length_cut_trims_the_tree_and_counts_only_emitted(varied, distinct_greedy, max_new, emitted, proposed):
+    prompt, g = distinct_greedy
+    out, st = SpeculativeDecoder(varied, OracleDrafter(varied, depth=4, width=2)).generate(prompt, max_new)
+    assert out == g[:max_new]
+    assert st["emitted_per_step"] == emitted
+    assert st["proposed_per_depth"] == proposed and st["accepted_per_depth"] == proposed
+    assert st["tree_nodes"] == 2 * sum(proposed)  # width 2: the chain node and one wrong sibling per depth
+    _check_totals(st)
+
+
+# -- 3. budget and context limit -------------------------------------------------------------------
+def _spy_positions(monkeypatch):
+    """Record the largest RoPE position each verification forward feeds (cache length + tree depth)."""
+    fed = []
+    orig = speculative.verify_tree
+
+    def spy(model, cache, tree):
+        fed.append(cache.get_seq_length() + tree.max_depth)
+        return orig(model, cache, tree)
+
+    monkeypatch.setattr(speculative, "verify_tree", spy)
+    return fed
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 7, 12])
+def test_trees_stay_inside_the_budget(varied, monkeypatch, max_new):
+    """Issue 12's case (10-token prompt, oracle chain of depth 4, max_new_tokens=7) and others:
+    no verification feeds a position vanilla decoding would not (the last is T + max_new − 2)."""
+    fed = _spy_positions(monkeypatch)
+    prompt = _prompt(4)
+    ref, _ = greedy_generate(varied, prompt, max_new)
+    out, st = SpeculativeDecoder(varied, OracleDrafter(varied, depth=4, width=1)).generate(prompt, max_new)
+    assert out == ref and len(fed) == st["base_forwards"]
+    assert max(fed, default=0) <= prompt.numel() + max_new - 2
+    assert st["base_forwards"] == -(-(max_new - 1) // 5)  # the oracle chain is never shortened early
+
+
+def test_budget_at_the_context_limit(monkeypatch):
+    """prompt + max_new_tokens = max_position_embeddings decodes (no position >= the limit is fed);
+    one more token is a clear error naming both numbers, for every decoder, before any forward."""
+    from decoding.adadecode import AdaDecodeDecoder
+
+    model = tiny_llama(seed=0, attn_implementation="eager", initializer_range=0.3, max_position_embeddings=24)
+    fed = _spy_positions(monkeypatch)
+    prompt = _prompt(5, 10)
+    ref, _ = greedy_generate(model, prompt, 14)
+    out, _ = SpeculativeDecoder(model, OracleDrafter(model, depth=4, width=2)).generate(prompt, 14)
+    assert out == ref and max(fed) <= 22
+    ada = AdaDecodeDecoder(model, heads.build({"type": "adadecode", "layers": [1, 2]}, model), gamma=0.0,
+                           eos_token_ids=[])
+    assert ada.generate(prompt, 14)[0] == ref
+    calls = []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
+    for run in (lambda: greedy_generate(model, prompt, 15),
+                lambda: SpeculativeDecoder(model, OracleDrafter(model, depth=4)).generate(prompt, 15),
+                lambda: ada.generate(prompt, 15)):
+        with pytest.raises(ValueError, match=r"prompt of 10 tokens \+ max_new_tokens=15 = 25 tokens exceeds .*"
+                                             r"max_position_embeddings=24"):
+            run()
+    assert not calls
+
+
+def test_evaluation_refuses_prompt_beyond_context_before_writing(tmp_path, capsys):
+    """python -m evaluation: one-line error naming the prompt, both numbers and the limit; exit 2;
+    no output directory."""
+    import json
+
+    from core.tiny import save_tiny_model
+    from evaluation.__main__ import main
+
+    model_dir = save_tiny_model(tmp_path / "tiny96", seed=0, max_position_embeddings=96)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "short", "prompt": "Hi"}) + "\n"
+                       + json.dumps({"id": "long", "prompt": "word " * 10}) + "\n")
+    argv = [f"model.path={model_dir}", "model.attn_implementation=eager", f"eval.output_dir={tmp_path / 'out'}",
+            "eval.warmup=0", "checkpoint=oracle", f"eval.prompts={prompts}"]
+    assert main(argv + ["eval.max_new_tokens=40"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    m = re.fullmatch(r"error: eval prompt 'long': prompt of (\d+) tokens \+ eval\.max_new_tokens=40 = (\d+) tokens "
+                     r"exceeds the base model's context limit max_position_embeddings=96; shorten the prompt or "
+                     r"lower eval\.max_new_tokens", err)
+    assert m and int(m[2]) == int(m[1]) + 40 > 96, err
+    assert not (tmp_path / "out").exists()
+    # the longest prompt exactly at the limit decodes, with parity
+    assert main(argv + [f"eval.max_new_tokens={96 - int(m[1])}"]) == 0
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["parity"]["matched"] == 2
