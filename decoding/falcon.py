@@ -18,12 +18,10 @@ share one distribution across all their slot-0 siblings.  The tree is truncated 
 (f_t, x_{t+1}) at RoPE position t.  With tokens x_0..x_n (x_n = the root, the bonus token) and
 true features f_0..f_{n−1}:
 
-1. *Context pass* (pass 0): the drafter KV cache holds the slots computed from true features
-   before the previous step's root block (each saw only itself and earlier slots' blocks); the
-   slots from there to n−1 are run in one forward.  The last
-   k slots [n−k..n−1] are the **root block** (one fully visible block, §1.2 Rec.); earlier new
-   slots form k-blocks aligned to it (block-causal among themselves, all cached slots visible).
-   The root block's k outputs f̂_n..f̂_{n+k−1} give depths 1..k.
+1. *Context pass* (pass 0): the last k slots [n−k..n−1] are the **root block** (one fully
+   visible block, §1.2 Rec.); all earlier slots form k-blocks aligned to it, block-causal (the
+   training mask of §1.2, shifted so that a block ends at n−1).  The root block's k outputs
+   f̂_n..f̂_{n+k−1} give depths 1..k.  Only the slots not cached yet are run, in one forward.
 2. *Tree pass* j = 1..m−1: every depth-jk node with descendants becomes a block of k slots
    (f̂ of its producing block, the tokens at depths (j−1)k+1..jk on its path) at positions
    n−k+jk..n+jk−1.  All of a pass's blocks go through **one** forward with a 4-D mask: each block
@@ -33,6 +31,26 @@ true features f_0..f_{n−1}:
 
 So one step costs ≤ m drafter forwards and proposes up to k tokens per block per forward (k = 1 is
 the EAGLE-1-style tree drafter, one token per block per forward).
+
+**Cached state depends only on the committed context** (issue 12; METHODS §1.1, §1.2).  The
+block alignment is set by n mod k, which changes with every step's acceptance length.  A slot's
+KV at layers >= 1 depends on which later slots share its block, so a slot computed under one
+alignment is invalid under another (issue 12 measured layer-1 keys off by up to 6.5 on the tiny
+base, k = 2).  We **recompute what the alignment changes**: the drafter keeps one KV cache per
+alignment r = n mod k (k caches; one for k = 1, EAGLE's single cache).  Cache r holds slots
+[0, c_r) computed with blocks that end at positions ≡ r − 1 (mod k); c_r ≡ r (mod k) is a block
+boundary and every cached block was complete (committed) when it was computed, so each cached
+slot equals what one fresh forward over the committed context computes.  A step with n ≡ r
+extends cache r by the slots [c_r, n) in its context pass.  So the tree is a function of the
+committed tokens x_0..x_n and features f_0..f_{n−1} alone (tested: cached drafter == fresh drafter
+at every step).  The alignment is the one METHODS prescribes: the root block is the last k
+context slots, and every context block has the training mask's shape (§1.2, blocks aligned at 0)
+up to a shift of positions, which RoPE attention does not see; only the first block
+[0, n mod k) is partial.  Cost: each slot runs through the decoder layers at most once per
+alignment (at most k times per committed token instead of once; the LM head still reads only the
+last k slots), and the context pass stays one forward per step.  The other option, a training
+mask whose cached states stay valid under any alignment, would change Falcon's objective (§1.2);
+we keep §1.2's mask.
 """
 from __future__ import annotations
 
@@ -241,7 +259,11 @@ class FalconDrafter:
 
     Attributes:
         template: the :class:`FalconTreeTemplate`.
-        last_passes: drafter forwards of the last :meth:`draft`; ``total_passes``, ``steps`` totals.
+        caches: ``{r: DraftKVCache}``, one per block alignment r = n mod k (see module doc);
+            the first ``kv_lens[r]`` slots of cache r are valid context slots.
+        last_passes: drafter forwards of the last :meth:`draft`; ``total_passes``, ``steps`` totals;
+            ``context_slots``: context slots run through the decoder layers in total (each slot at
+            most once per alignment).
     """
 
     def __init__(self, head, passes: int | None = None, tree: dict | None = None) -> None:
@@ -262,8 +284,9 @@ class FalconDrafter:
     def reset(self) -> None:
         self.tokens: list[int] = []
         self.feats: torch.Tensor | None = None
-        self.cache = DraftKVCache()
-        self.kv_len = 0
+        self.caches: dict[int, DraftKVCache] = {r: DraftKVCache() for r in range(self.k)}
+        self.kv_lens: dict[int, int] = {r: 0 for r in range(self.k)}
+        self.context_slots = 0
         self.last_passes = 0
         self.total_passes = 0
         self.steps = 0
@@ -307,13 +330,17 @@ class FalconDrafter:
         dev, dtype = self._device, head.compute_dtype
         toks = torch.tensor(self.tokens[1:] + [int(root_token)], dtype=torch.long, device=dev)  # x_{t+1} per slot t
 
-        # pass 0: context slots [c, n) with the root block [n−k, n) fully visible
-        c = min(self.kv_len, n - k)
-        self.cache.crop(c)
+        # pass 0: context slots [c, n) with the root block [n−k, n) fully visible, on the cache of
+        # this step's block alignment (its slots were computed with the same blocks: module doc)
+        align = n % k
+        cache = self.caches[align]
+        c = min(self.kv_lens[align], n - k)
+        cache.crop(c)
+        self.context_slots += n - c
         pos = torch.arange(c, n, device=dev)
         blk = torch.div(pos - n, k, rounding_mode="floor")
         vis = torch.cat([torch.ones(n - c, c, dtype=torch.bool, device=dev), blk[None, :] <= blk[:, None]], dim=1)
-        out = head(self.feats[c:n][None], toks[c:n][None], pos[None], additive_mask(vis, dtype)[None, None], cache=self.cache)
+        out = head(self.feats[c:n][None], toks[c:n][None], pos[None], additive_mask(vis, dtype)[None, None], cache=cache)
         passes = 1
         K = t.top_k
         block_feats: dict[int, torch.Tensor] = {0: out[0, -k:]}
@@ -340,7 +367,7 @@ class FalconDrafter:
 
         assign(k)
         for j, creators in enumerate(self._creators, start=1):
-            base_len = self.cache.get_seq_length()
+            base_len = cache.get_seq_length()
             nb = len(creators)
             feats = torch.stack([block_feats[t.anchor(u)] for u in creators])  # [nb, k, H]
             b_toks = []
@@ -366,7 +393,7 @@ class FalconDrafter:
                 block_range[u] = (base_len + b * k, base_len + (b + 1) * k)
             p = (n - k + j * k + torch.arange(k, device=dev)).repeat(nb)
             o = head(feats.reshape(1, Q, -1), b_toks_t.reshape(1, Q), p[None],
-                     additive_mask(vis, dtype)[None, None], cache=self.cache)[0].view(nb, k, -1)
+                     additive_mask(vis, dtype)[None, None], cache=cache)[0].view(nb, k, -1)
             passes += 1
             lp = torch.log_softmax(head.lm_head(o).float(), dim=-1)
             top_lp, top_id = lp.topk(K, dim=-1)
@@ -375,10 +402,10 @@ class FalconDrafter:
                 block_feats[u] = o[b]
                 block_top[u] = (top_lp[b], top_id[b])
             assign((j + 1) * k)
-        # keep only slots computed from true features, and of those only the ones that saw no later
-        # slot: the root block [n−k, n) is recomputed next step, when it is no longer the last block
-        self.cache.crop(n - k)
-        self.kv_len = n - k
+        # keep only slots computed from true features, and of those only the complete blocks: the
+        # root block [n−k, n) is recomputed by the next step of this alignment, as an inner block
+        cache.crop(n - k)
+        self.kv_lens[align] = n - k
         self.last_passes = passes
         self.total_passes += passes
         return DraftTree.from_parents(node_tok, t.parents, scores=node_score, drafter_passes=passes)

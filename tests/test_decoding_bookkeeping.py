@@ -40,6 +40,132 @@ def _prompt(seed: int, n: int = 10, vocab: int = 384) -> torch.Tensor:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+# -- 1. cached drafter == fresh drafter at every step ----------------------------------------------
+class FreshCheck:
+    """Wraps a Drafter; at every ``draft`` it also drafts with a fresh drafter started on the whole
+    committed context (prompt + accepted tokens, their features) and records both trees."""
+
+    def __init__(self, drafter, make_fresh):
+        self.inner, self.make_fresh = drafter, make_fresh
+        self.pairs = []  # (n committed tokens, cached tree, fresh tree)
+
+    def reset(self):
+        self.inner.reset()
+
+    def start(self, prompt_ids, hidden):
+        self.tokens, self.feats = [int(t) for t in prompt_ids.tolist()], hidden.clone()
+        self.inner.start(prompt_ids, hidden)
+
+    def accept(self, tokens, hidden):
+        self.tokens += [int(t) for t in tokens.tolist()]
+        self.feats = torch.cat([self.feats, hidden])
+        self.inner.accept(tokens, hidden)
+
+    def draft(self, root_token):
+        tree = self.inner.draft(root_token)
+        fresh = self.make_fresh()
+        fresh.start(torch.tensor(self.tokens), self.feats.clone())
+        self.pairs.append((len(self.tokens), tree, fresh.draft(root_token)))
+        return tree
+
+
+def _paths(tree):
+    """{token path below the root: node score} (order-free, so near-tied siblings cannot matter)."""
+    return {tuple(tree.token_path(i)[1:]): float(tree.scores[i]) for i in range(1, tree.num_nodes)}
+
+
+def _same(a, b):
+    """Same token paths and node scores (cumulative log-probabilities, stored in fp32) to 1e-5."""
+    pa, pb = _paths(a), _paths(b)
+    return pa.keys() == pb.keys() and all(abs(pa[p] - pb[p]) <= 1e-5 * max(1.0, abs(pb[p])) for p in pa)
+
+
+@pytest.fixture(scope="module")
+def bases64(tiny_base, varied):
+    """fp64 copies of both tiny bases.  With initializer_range=0.3 the drafter logits reach |1e3|,
+    and fp32 rounding alone (cached chunks vs one forward) moves scores by up to 1e-3 relative even
+    for k = 1; in fp64 any difference left is a bookkeeping difference."""
+    import copy
+
+    return {"default_init": copy.deepcopy(tiny_base[0]).double(), "init0.3": copy.deepcopy(varied).double()}
+
+
+@pytest.mark.parametrize("base_kind", ["default_init", "init0.3"])
+@pytest.mark.parametrize("name", HEADS)
+def test_cached_drafter_equals_fresh_drafter_every_step(bases64, base_kind, name):
+    base = bases64[base_kind]
+    torch.manual_seed(0)
+    head = heads.build(OmegaConf.load(ROOT / "configs" / "heads" / f"{name}.yaml"), base).double().eval()
+    wrapped = FreshCheck(head.make_drafter(base), lambda: head.make_drafter(base))
+    ref, _ = greedy_generate(base, _prompt(1), 40)
+    out, stats = SpeculativeDecoder(base, wrapped).generate(_prompt(1), 40)
+    assert out == ref
+    bad = [n for n, cached, fresh in wrapped.pairs if not _same(cached, fresh)]
+    assert not bad, f"{name}: cached tree != fresh tree at {len(bad)} of {len(wrapped.pairs)} steps (n = {bad})"
+    assert len(wrapped.pairs) == stats["steps"] >= 20
+    k = getattr(head, "k", 1)
+    assert len({n % k for n, _, _ in wrapped.pairs}) == k  # every block alignment was drafted from
+
+
+def test_falcon_cached_equals_fresh_with_multi_token_acceptance(bases64):
+    """Acceptance lengths that keep and that flip n mod k: steps accept 0-3 drafts (the verifier is
+    fed the base's own greedy chain at planned depths), so every alignment cache is extended by
+    chunks of several slots and re-entered after other alignments were used."""
+    varied = bases64["init0.3"]
+    torch.manual_seed(0)
+    head = heads.build(OmegaConf.load(ROOT / "configs" / "heads" / "falcon.yaml"), varied).double().eval()
+    prompt = _prompt(2, 11)
+    greedy, _ = greedy_generate(varied, prompt, 60)
+    plan = iter([3, 0, 1, 2, 0, 0, 3, 1, 1, 2, 3, 0, 2] * 5)
+
+    class Planted(FreshCheck):
+        """Drafts the Falcon tree, then splices the base's greedy chain of a planned length under
+        the root (as a new rank-0 branch), so verification accepts exactly that many tokens."""
+
+        def draft(self, root_token):
+            tree = super().draft(root_token)
+            n_out = len(self.tokens) - prompt.numel() + 1  # emitted tokens incl. the root
+            chain = greedy[n_out:n_out + next(plan)]
+            paths = [tree.token_path(i)[1:] for i in range(1, tree.num_nodes)]
+            return DraftTree.from_paths(root_token, [chain] + paths) if chain else tree
+
+    wrapped = Planted(head.make_drafter(varied), lambda: head.make_drafter(varied))
+    out, stats = SpeculativeDecoder(varied, wrapped).generate(prompt, 60)
+    assert out == greedy
+    assert max(stats["emitted_per_step"]) >= 4 and stats["emitted_per_step"].count(1) >= 3
+    bad = [n for n, cached, fresh in wrapped.pairs if not _same(cached, fresh)]
+    assert not bad, f"cached tree != fresh tree at {len(bad)} of {len(wrapped.pairs)} steps (n = {bad})"
+
+
+def test_adadecode_cache_equals_fresh_forward_after_every_verification(varied):
+    """AdaDecode's analogue of a drafter state: the base's per-layer KV after each verification
+    (rollbacks included) equals a fresh forward over the committed tokens."""
+    from decoding.adadecode import AdaDecodeDecoder
+    from decoding.verify import new_cache
+
+    head = heads.build({"type": "adadecode", "layers": [1, 2, 3]}, varied)
+    prompt = _prompt(3, 9)
+    checked = []
+
+    class Checked(AdaDecodeDecoder):
+        def _verify(self, inflight, cache, out, st, max_new_tokens):
+            nxt = super()._verify(inflight, cache, out, st, max_new_tokens)
+            committed = torch.cat([prompt, torch.tensor(out[:-1], dtype=torch.long)])
+            ref = new_cache(self.model)
+            self.model(input_ids=committed[None], cache=ref, use_cache=True)
+            for i in range(self.L):
+                assert cache.get_seq_length(i) == committed.numel()
+                torch.testing.assert_close(cache.layers[i].keys, ref.layers[i].keys, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(cache.layers[i].values, ref.layers[i].values, atol=1e-5, rtol=1e-4)
+            checked.append(len(out))
+            return nxt
+
+    dec = Checked(varied, head, gamma=0.0, eos_token_ids=[])
+    out, st = dec.generate(prompt, 30)
+    assert out == greedy_generate(varied, prompt, 30)[0]
+    assert st["rejected_exits"] > 0 and len(checked) >= 5
+
+
 # -- 2. statistics count only emitted tokens -------------------------------------------------------
 def _check_totals(stats):
     """τ × verification forwards = tokens emitted; per-depth counts are consistent."""

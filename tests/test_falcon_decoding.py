@@ -132,14 +132,18 @@ def test_batched_drafting_matches_fresh_forward(tiny_base, k):
     gids1 = [(0, (t - n1) // k) for t in range(n1)]
     with torch.no_grad():
         assert _same_tree(t1, _expected_paths(head, drafter.template, seq[1:n1 + 1], f[:n1], gids1))
-    # step 2: 3 tokens accepted (root + 2), the cache keeps the slots before step 1's root block
+    # step 2: 3 tokens accepted (root + 2).  Every context slot is aligned to step 2's root block,
+    # whatever step 1's alignment was (issue 12): k = 1, 3 reuse step 1's cache (n1 ≡ n2 mod k),
+    # k = 2 starts the cache of the other alignment and keeps step 1's for later
     drafter.accept(seq[n1:n1 + 3], f[n1:n1 + 3])
     n2 = n1 + 3
     t2 = drafter.draft(int(seq[n2]))
-    gids2 = [(0, (t - n1) // k) if t < n1 - k else (1, (t - n2) // k) for t in range(n2)]
+    gids2 = [(0, (t - n2) // k) for t in range(n2)]
     with torch.no_grad():
         assert _same_tree(t2, _expected_paths(head, drafter.template, seq[1:n2 + 1], f[:n2], gids2))
-    assert drafter.cache.get_seq_length() == n2 - k
+    assert drafter.caches[n2 % k].get_seq_length() == n2 - k
+    assert drafter.caches[n1 % k].get_seq_length() == (n2 - k if n1 % k == n2 % k else n1 - k)
+    assert drafter.context_slots == n1 + (n2 - (n1 - k) if n1 % k == n2 % k else n2)
 
 
 # -- parity with vanilla greedy decoding ------------------------------------------------------------
