@@ -7,16 +7,28 @@
   ``miss_prob`` the correct token is left out at a depth with that probability.
 * :class:`RandomDrafter` drafts uniformly random tokens: τ near 1.
 
-Both implement :class:`decoding.speculative.Drafter`.
+Both implement :class:`decoding.speculative.Drafter` and re-seed their generator in ``start`` from
+(``seed``, the prompt's token ids) (:func:`prompt_seed`): a prompt gets the same trees whatever
+prompts were decoded before it, so reference results do not depend on prompt order, sharding,
+resuming or warm-up runs.
 """
 from __future__ import annotations
 
+import hashlib
 import random
 
 import torch
 
 from decoding.tree import DraftTree
 from decoding.verify import base_forward, crop_cache, new_cache
+
+
+def prompt_seed(seed: int, prompt_ids) -> int:
+    """A 63-bit seed from ``seed`` and a prompt's token ids (LongTensor [T] or ints), stable across
+    processes and platforms (SHA-256, not Python's salted ``hash``)."""
+    ids = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+    digest = hashlib.sha256(f"{int(seed)}:{','.join(map(str, ids))}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class OracleDrafter:
@@ -29,7 +41,8 @@ class OracleDrafter:
         width: children per chain node (1 correct + ``width - 1`` wrong leaves), >= 1.
         shuffle: give the correct child a random sibling rank.
         miss_prob: probability, per depth, of leaving the correct token out (the chain ends there).
-        seed: for ``shuffle`` / ``miss_prob`` / wrong tokens.
+        seed: for ``shuffle`` / ``miss_prob``; the generator restarts at every prompt from
+            :func:`prompt_seed` (seed, prompt).
     """
 
     def __init__(self, base_model, depth: int = 4, width: int = 2, shuffle: bool = False,
@@ -40,7 +53,8 @@ class OracleDrafter:
         self.depth, self.width = int(depth), int(width)
         self.shuffle, self.miss_prob = bool(shuffle), float(miss_prob)
         self.vocab_size = int(base_model.config.vocab_size)
-        self.rng = random.Random(seed)
+        self.seed = int(seed)
+        self.rng = random.Random(self.seed)
         self.ctx: list[int] = []
         self.cache = None
 
@@ -48,8 +62,10 @@ class OracleDrafter:
         self.ctx, self.cache = [], None
 
     def start(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """After prefill: prompt_ids [T] long (hidden unused); re-seeds the generator per prompt."""
         self.ctx = [int(t) for t in prompt_ids.tolist()]
         self.cache = new_cache(self.base_model)
+        self.rng = random.Random(prompt_seed(self.seed, prompt_ids))
 
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         self.ctx.extend(int(t) for t in tokens.tolist())
@@ -91,17 +107,20 @@ class RandomDrafter:
 
     Args:
         vocab_size: V.
-        depth: chain length D >= 1; width: number of chains >= 1; seed: RNG seed.
+        depth: chain length D >= 1; width: number of chains >= 1.
+        seed: RNG seed; the generator restarts at every prompt from :func:`prompt_seed` (seed, prompt).
     """
 
     def __init__(self, vocab_size: int, depth: int = 3, width: int = 2, seed: int = 0) -> None:
         if depth < 1 or width < 1:
             raise ValueError(f"depth={depth} and width={width} must be >= 1")
         self.vocab_size, self.depth, self.width = int(vocab_size), int(depth), int(width)
-        self.gen = torch.Generator().manual_seed(seed)
+        self.seed = int(seed)
+        self.gen = torch.Generator().manual_seed(self.seed)
 
     def start(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        pass
+        """After prefill: re-seeds the generator from (seed, prompt_ids [T])."""
+        self.gen.manual_seed(prompt_seed(self.seed, prompt_ids))
 
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         pass

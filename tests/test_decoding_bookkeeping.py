@@ -273,6 +273,53 @@ def test_budget_at_the_context_limit(monkeypatch):
     assert not calls
 
 
+# -- 4. reference drafters: same trees per prompt in any order -------------------------------------
+class Recorder:
+    def __init__(self, inner):
+        self.inner, self.trees = inner, []
+
+    def reset(self):
+        getattr(self.inner, "reset", lambda: None)()
+
+    def start(self, prompt_ids, hidden):
+        self.trees.append([])
+        self.inner.start(prompt_ids, hidden)
+
+    def accept(self, tokens, hidden):
+        self.inner.accept(tokens, hidden)
+
+    def draft(self, root_token):
+        tree = self.inner.draft(root_token)
+        self.trees[-1].append((tree.tokens.tolist(), tree.parents.tolist()))
+        return tree
+
+
+@pytest.mark.parametrize("kind", ["oracle_shuffle", "random"])
+def test_reference_drafters_are_deterministic_per_prompt(varied, kind):
+    def make():
+        if kind == "random":
+            return Recorder(RandomDrafter(384, depth=3, width=3, seed=7))
+        return Recorder(OracleDrafter(varied, depth=4, width=3, shuffle=True, miss_prob=0.3, seed=7))
+
+    prompts = [_prompt(s) for s in (11, 12, 13)]
+    runs = {}
+    for order in ([0, 1, 2], [2, 0, 1]):
+        rec = make()
+        dec = SpeculativeDecoder(varied, rec)
+        for i in order:
+            dec.generate(prompts[i], 20)
+        runs[tuple(order)] = {i: trees for i, trees in zip(order, rec.trees)}
+    a, b = runs.values()
+    for i in range(3):
+        assert a[i] == b[i], f"prompt {i}: trees depend on which prompts were decoded before it"
+    # a warm-up call on another prompt (as the evaluator does) changes nothing either
+    rec = make()
+    dec = SpeculativeDecoder(varied, rec)
+    dec.generate(prompts[0], 20)
+    dec.generate(prompts[0], 20)
+    assert rec.trees[0] == rec.trees[1]
+
+
 def test_evaluation_refuses_prompt_beyond_context_before_writing(tmp_path, capsys):
     """python -m evaluation: one-line error naming the prompt, both numbers and the limit; exit 2;
     no output directory."""
