@@ -112,7 +112,9 @@ def compose(argv: Sequence[str] = ()) -> DictConfig:
         key, value = item.split("=", 1)
         try:
             parsed = OmegaConf.from_dotlist([item])
-            OmegaConf.update(base, key, OmegaConf.select(parsed, key), merge=True)
+            new = OmegaConf.select(parsed, key)
+            check_override_type(key, OmegaConf.select(base, key, default=None, throw_on_missing=False), new)
+            OmegaConf.update(base, key, new, merge=True)
         except (ConfigKeyError, ConfigAttributeError):
             where, valid = _valid_keys(base, key)
             raise ConfigError(
@@ -124,6 +126,51 @@ def compose(argv: Sequence[str] = ()) -> DictConfig:
             raise ConfigError(f"bad override {item!r}: not a valid YAML value ({' '.join(str(exc).split())})") from None
     validate(base)
     return base
+
+
+def _kind(value) -> str | None:
+    """The type family of a config value: bool, int, number (float), list, mapping; None for str/null."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, (list, tuple, ListConfig)):
+        return "list"
+    if isinstance(value, (dict, DictConfig)):
+        return "mapping"
+    return None
+
+
+_KIND_TEXT = {"bool": "true or false", "int": "an integer", "number": "a number", "list": "a list, e.g. [1,2]",
+              "mapping": "a mapping, e.g. {a: 1}"}
+
+
+def check_override_type(key: str, default, value) -> None:
+    """Typed validation of one override against the value it replaces (the YAML default).
+
+    The default's type is the key's type: a boolean key takes ``true``/``false``, an integer key an
+    integer, a float key any number, a list key a list, a mapping key a mapping.  ``null`` is always
+    accepted here (the section's registered checks decide whether the key may be null); keys whose
+    default is a string or null accept any value (they are unions such as ``train.devices`` or
+    ``resume``, checked by their section's validator).  Used by :func:`compose` for every
+    ``key=value`` and by ``evaluation.runner.variant_configs`` for every ``eval.variants`` entry.
+
+    Raises:
+        ConfigError: ``key=value`` has the wrong type; the message names the key, the value and the
+            expected type.
+    """
+    want = _kind(default)
+    if want is None or value is None:
+        return
+    got = _kind(value)
+    if got == want or (want == "number" and got == "int"):
+        return
+    import json
+
+    plain = lambda v: OmegaConf.to_container(v) if isinstance(v, (DictConfig, ListConfig)) else v  # noqa: E731
+    raise ConfigError(f"{key}={json.dumps(plain(value))} must be {_KIND_TEXT[want]} (default: {json.dumps(plain(default))})")
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,30 @@ def _eval_checks(cfg: DictConfig) -> None:
     check_range(cfg, "eval.reference_depth", 1, None)
     check_range(cfg, "eval.reference_width", 1, None)
     check_choice(cfg, "eval.dtype", DTYPES)
-    dev = cfg.eval.get("device")
-    if dev is not None and not (dev == "cpu" or str(dev).startswith("cuda") or dev == "mps"):
+    check_device(cfg.eval.get("device"))
+
+
+def check_device(dev) -> None:
+    """``eval.device`` is null, ``cpu``, ``mps`` or ``cuda[:N]``, and exists on this machine.
+
+    Raises:
+        ConfigError: an unknown device string, ``cuda`` on a torch without a CUDA device, ``cuda:N``
+            beyond the visible device count, or ``mps`` where it is not available.
+    """
+    import re
+
+    import torch
+
+    if dev is None:
+        return
+    dev = str(dev)
+    m = re.fullmatch(r"cuda(?::(\d+))?", dev)
+    if not (dev in ("cpu", "mps") or m):
         raise ConfigError(f"eval.device={dev!r} is not valid; use null, cpu, cuda or cuda:N")
+    if m and not torch.cuda.is_available():
+        raise ConfigError(f"eval.device={dev}, but this torch sees no CUDA device (torch {torch.__version__}, CUDA "
+                          f"build: {torch.version.cuda or 'none'}); use eval.device=cpu or null")
+    if m and m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+        raise ConfigError(f"eval.device={dev}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    if dev == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError("eval.device=mps, but MPS is not available on this machine; use eval.device=cpu or null")

@@ -30,6 +30,11 @@ def _register_config_checks() -> None:
                 check(OmegaConf.to_container(cfg.heads, resolve=True))
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+            except (TypeError, KeyError) as exc:  # e.g. a key set to null that must hold a value
+                nulls = sorted(k for k, v in OmegaConf.to_container(cfg.heads).items() if v is None)
+                raise ConfigError(f"heads={cfg.choices.get('heads', cfg.heads.type) if 'choices' in cfg else cfg.heads.type}: "
+                                  f"bad value ({exc})" + (f"; keys set to null: heads.{', heads.'.join(nulls)}"
+                                                          if nulls else "")) from None
 
 
 _register_config_checks()

@@ -70,6 +70,7 @@ def check_train(cfg: DictConfig) -> None:
     check_choice(cfg, "train.grad_clip.algorithm", CLIP_ALGORITHMS)
     check_choice(cfg, "train.precision", PRECISIONS)
     check_choice(cfg, "train.accelerator", ("auto", "cpu", "gpu", "cuda"))
+    check_accelerator_and_precision(cfg)
     devices = cfg.train.devices
     if not (devices == "auto" or _is_int(devices) and (devices >= 1 or devices == -1)
             or isinstance(devices, (ListConfig, list)) and all(_is_int(d) for d in devices)):
@@ -83,6 +84,34 @@ def check_train(cfg: DictConfig) -> None:
         raise ConfigError(f"train.run_name={run_name!r} must be null or a plain directory name (no '/')")
     if not isinstance(cfg.train.progress_bar, bool):
         raise ConfigError(f"train.progress_bar={cfg.train.progress_bar!r} must be true or false")
+
+
+def check_accelerator_and_precision(cfg: DictConfig) -> None:
+    """``train.accelerator`` must exist on this machine; float16 precisions are refused on CPUs.
+
+    Lightning runs ``16-mixed`` on a CPU as ``bf16-mixed`` without saying so (torch has no fp16
+    autocast for CPUs), and bf16 autocast on CPUs without bf16 matrix units is far slower than
+    fp32; so ``16-mixed`` / ``16-true`` on a CPU is an error that says to use ``32-true`` (what
+    ``auto`` picks there).  An explicit ``bf16-*`` on a CPU is allowed: :func:`train.run.train`
+    warns once that it is usually slower than fp32.
+
+    Raises:
+        ConfigError: ``train.accelerator=gpu|cuda`` without a CUDA device, or a float16 precision
+            on a CPU run.
+    """
+    import torch
+
+    accel = str(cfg.train.accelerator)
+    has_cuda = torch.cuda.is_available()
+    if accel in ("gpu", "cuda") and not has_cuda:
+        raise ConfigError(f"train.accelerator={accel}, but this torch sees no CUDA device (torch "
+                          f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); use train.accelerator=auto or cpu")
+    on_cpu = accel == "cpu" or (accel == "auto" and not has_cuda)
+    precision = str(cfg.train.precision)
+    if on_cpu and precision in ("16-mixed", "16-true"):
+        raise ConfigError(f"train.precision={precision} on a CPU: torch has no float16 autocast on CPUs, so Lightning "
+                          "would silently run bf16-mixed, which is far slower than fp32 on most CPUs; use "
+                          "train.precision=32-true (or auto, which picks it on CPUs)")
 
 
 STRATEGIES = ("auto", "ddp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
