@@ -3,7 +3,8 @@
 ``python -m train heads=<name> [key=value ...]`` calls :func:`main`; tests and the distributed
 launchers call :func:`train` with an already composed config (and optionally a loaded base model).
 
-Run directory ``<output_root>/runs/<head type>/<train.run_name or UTC timestamp>/``::
+Run directory ``<output_root>/runs/<heads option>/<train.run_name or UTC timestamp>/`` (``heads=falcon_k1``
+runs live under ``runs/falcon_k1/``)::
 
     config.yaml               resolved config
     checkpoints/*.ckpt        Lightning resume checkpoints (safetensors, train.checkpoint_io)
@@ -36,7 +37,7 @@ RUN_NAME_ENV = "DRAFTHEADS_RUN_NAME"
 
 
 def run_dir_for(cfg: DictConfig) -> Path:
-    """``<output_root>/runs/<heads.type>/<name>``.
+    """``<output_root>/runs/<head variant>/<name>`` (:func:`runs_root`).
 
     ``name`` is ``train.run_name``; else, in a process launched by another draftheads process
     (Lightning's DDP / DeepSpeed launcher re-runs this script for ranks > 0), the parent's name
@@ -52,7 +53,19 @@ def run_dir_for(cfg: DictConfig) -> Path:
             or (f"slurm-{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else None)
             or time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
     os.environ[RUN_NAME_ENV] = f"{name}:{os.getpid()}"
-    return Path(cfg.output_root) / "runs" / str(cfg.heads.type) / str(name)
+    return runs_root(cfg) / str(name)
+
+
+def runs_root(cfg: DictConfig) -> Path:
+    """``<output_root>/runs/<head variant>``: the namespace of run names.
+
+    The head variant is the selected ``heads=`` option (``cfg.choices.heads``: ``falcon``,
+    ``falcon_noglance``, ``falcon_k1``, ...), so variants of one head type never share a run
+    directory; a config without ``choices`` (built by hand) falls back to ``heads.type``.
+    """
+    choices = cfg.get("choices") if isinstance(cfg, DictConfig) else None
+    variant = (choices.get("heads") if choices is not None else None) or cfg.heads.type
+    return Path(cfg.output_root) / "runs" / str(variant)
 
 
 def metrics_csv(run_dir: str | os.PathLike) -> Path:
