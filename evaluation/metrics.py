@@ -34,18 +34,44 @@ def _ratio(a: float, b: float) -> float | None:
     return float(a) / float(b) if b else None
 
 
+def stat_kind(key: str, values: Sequence[Any]) -> str | None:
+    """How a per-prompt stat aggregates over prompts: ``"sum"``, ``"max"`` or None (not at all).
+
+    By the Decoder protocol (docs/design.md), integer stats and lists of numbers are counts and
+    add up; float stats add up only when they are durations (``seconds`` or ``*_seconds``); a
+    ``max_*`` integer is a maximum.  Any other float (a per-prompt ratio such as
+    ``rejection_rate``, ``layer_steps_per_token`` or ``tokens_per_s``) is never summed: an
+    aggregate ratio is recomputed from summed counts (:func:`summarize_method`, or the decoder's
+    own ``summarize``).
+    """
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        if key.startswith("max_"):
+            return "max"
+        if all(isinstance(v, int) for v in values) or key == "seconds" or key.endswith("_seconds"):
+            return "sum"
+        return None
+    if all(isinstance(v, (list, tuple)) and all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in v)
+           for v in values):
+        return "sum"
+    return None
+
+
 def numeric_totals(stats_list: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Sum every numeric scalar (and element-wise every list of numbers) over the prompts' stats."""
+    """Aggregate the prompts' stats: counts and durations summed (lists element-wise), ``max_*``
+    maximised, per-prompt ratios left out (see :func:`stat_kind`)."""
     totals: dict[str, Any] = {}
     keys = {k for s in stats_list for k in s}
     for k in sorted(keys):
+        if k == "emitted_per_step":
+            continue  # reduced to τ in summarize_method
         vals = [s[k] for s in stats_list if k in s]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-            totals[k] = float(sum(vals)) if any(isinstance(v, float) for v in vals) else int(sum(vals))
-        elif all(isinstance(v, (list, tuple)) and all(isinstance(e, (int, float)) for e in v) for v in vals):
-            if k == "emitted_per_step":
-                continue  # reduced to τ below
+        kind = stat_kind(k, vals)
+        if kind == "max":
+            totals[k] = max(vals)
+        elif kind == "sum" and isinstance(vals[0], (list, tuple)):
             totals[k] = _sum_lists(vals)
+        elif kind == "sum":
+            totals[k] = float(sum(vals)) if any(isinstance(v, float) for v in vals) else int(sum(vals))
     return totals
 
 
@@ -62,8 +88,9 @@ def summarize_method(stats_list: Sequence[dict[str, Any]], new_tokens: int, seco
         :class:`decoding.speculative.SpeculativeDecoder`: ``tau``, ``steps``,
         ``acceptance_per_depth``, ``conditional_acceptance_per_depth``,
         ``base_forwards_per_token``, ``drafter_passes_per_step``, ``drafter_time_share``,
-        ``draft_nodes_per_step``; plus ``totals`` (every numeric stat summed over prompts) and
-        ``means`` (every numeric scalar stat averaged over prompts, e.g. per-prompt rates).  A
+        ``draft_nodes_per_step``; plus ``totals`` (:func:`numeric_totals`: counts and durations
+        summed over prompts, never per-prompt ratios) and ``means`` (every numeric scalar stat,
+        ratios included, averaged over prompts: the per-prompt mean, not the aggregate).  A
         decoder with a ``summarize(stats_list) -> dict`` method gets its own aggregate under
         ``decoder_summary`` (added by the runner).
     """
@@ -94,6 +121,8 @@ def summarize_method(stats_list: Sequence[dict[str, Any]], new_tokens: int, seco
     if "tree_nodes" in totals and out.get("steps"):
         out["draft_nodes_per_step"] = totals["tree_nodes"] / out["steps"]
     out["totals"] = totals
-    out["means"] = {k: (sum(s[k] for s in stats_list if k in s) / sum(1 for s in stats_list if k in s))
-                    for k, v in totals.items() if isinstance(v, (int, float))}
+    scalar = sorted({k for s in stats_list for k, v in s.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    out["means"] = {k: sum(s[k] for s in stats_list if k in s) / sum(1 for s in stats_list if k in s)
+                    for k in scalar if all(isinstance(s.get(k, 0), (int, float)) for s in stats_list)}
     return out
