@@ -1,18 +1,22 @@
-"""Combine sharded evaluations: ``python -m evaluation.merge OUT_DIR SHARD_DIR [SHARD_DIR ...]``.
+"""Combine sharded evaluations: ``python -m evaluation.merge [--no-report] OUT_DIR SHARD_DIR [SHARD_DIR ...]``.
 
 An evaluation split over processes or machines with ``eval.prompt_offset`` / ``eval.num_prompts``
 leaves one ``progress.jsonl`` per shard (see :class:`evaluation.runner.Progress`).  This checks
 that every shard ran the same configuration against the same checkpoint weights (the header
-fingerprint), gathers their per-prompt records into ``OUT_DIR/progress.jsonl`` (written
-atomically), and prints the command that writes the reports: the same evaluation with the full
-``eval.num_prompts``, ``eval.prompt_offset=0``, ``eval.output_dir=OUT_DIR`` and ``resume=auto``,
-which decodes only prompts that no shard finished.
+fingerprint; checkpoints are identified by their weights' SHA-256, so shards may spell a
+checkpoint's path differently), gathers their per-prompt records into ``OUT_DIR/progress.jsonl``
+(written atomically), and then writes the merged reports itself (``report.json``,
+``acceptance.png``, per variant and ``summary.json``): it re-runs the first shard's
+``config.yaml`` with ``eval.output_dir=OUT_DIR``, ``resume=auto`` and the prompt range the shards
+span together, which loads the base model and the heads but decodes only prompts that no shard
+finished (none when the shards cover the range).  ``--no-report`` stops after the merge.
 
 ``OUT_DIR`` may be one of the shards (it is merged in place) or a new directory; an existing
 ``progress.jsonl`` there that is not one of the shards is never overwritten.  Merge finished
 shards only: a shard whose evaluation is still running keeps appending to its own file.
 
-Exit status: 0 on success, 2 on an input error (the message names the shard).
+Exit status: 0 on success, 1 when a merged prompt's output differs from vanilla greedy decoding,
+2 on an input error (the message names the shard).
 """
 from __future__ import annotations
 
@@ -20,9 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from evaluation.runner import UNFINGERPRINTED_EVAL_KEYS, read_progress, write_progress
+from evaluation.runner import UNFINGERPRINTED_EVAL_KEYS, read_progress, weight_digests, write_progress
 
-USAGE = "usage: python -m evaluation.merge OUT_DIR SHARD_DIR [SHARD_DIR ...]"
+USAGE = "usage: python -m evaluation.merge [--no-report] OUT_DIR SHARD_DIR [SHARD_DIR ...]"
 
 
 def merge_progress(out_dir: Path, shard_dirs: Sequence[Path]) -> dict[str, Any]:
@@ -68,9 +72,10 @@ def merge_progress(out_dir: Path, shard_dirs: Sequence[Path]) -> dict[str, Any]:
             torn.append(str(shard))
         if header is None:
             header, first = head, shard
-        elif head.get("weights") != header.get("weights"):
-            raise ValueError(f"shard {shard} evaluated other checkpoint weights than shard {first} "
-                             f"({head.get('weights')} vs {header.get('weights')}); its records cannot be combined")
+        elif weight_digests(head.get("weights")) != weight_digests(header.get("weights")):
+            raise ValueError(f"shard {shard} evaluated other checkpoint weights than shard {first} (SHA-256 "
+                             f"{weight_digests(head.get('weights'))} vs {weight_digests(header.get('weights'))}); "
+                             "its records cannot be combined")
         elif head.get("fingerprint") != header.get("fingerprint"):
             raise ValueError(f"shard {shard} ran a different model/heads/eval configuration than shard {first} "
                              f"(only eval.{', eval.'.join(UNFINGERPRINTED_EVAL_KEYS)} may differ)")
@@ -98,29 +103,103 @@ def _same(a: Path, b: Path) -> bool:
         return False
 
 
+def report_config(out_dir: Path, shard_dirs: Sequence[Path]):
+    """The config that writes the merged report: the first shard's ``config.yaml`` with
+    ``eval.output_dir=out_dir``, ``resume=auto``, ``eval.warmup=0`` and the prompt range the shards
+    span (``prompt_offset`` = the smallest shard offset; ``num_prompts`` up to the largest shard
+    end, or null when a shard ran to the end of the prompts).
+
+    Raises:
+        ValueError: a shard has no readable ``config.yaml``, or the composed config is invalid.
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    from core.config import ConfigError, validate
+
+    cfgs = []
+    for shard in shard_dirs:
+        path = Path(shard) / "config.yaml"
+        if not path.is_file():
+            raise ValueError(f"shard {shard}: no config.yaml to rebuild the evaluation from (use --no-report)")
+        try:
+            cfgs.append(OmegaConf.load(path))
+        except Exception as exc:  # a YAML error of any kind: the file is not a config
+            raise ValueError(f"{path}: unreadable config ({' '.join(str(exc).split())})") from None
+    offsets = [int(c.eval.get("prompt_offset") or 0) for c in cfgs]
+    ends = [None if c.eval.get("num_prompts") is None else o + int(c.eval.num_prompts) for c, o in zip(cfgs, offsets)]
+    cfg = cfgs[0]
+    with open_dict(cfg):
+        cfg.eval.output_dir = str(out_dir)
+        cfg.eval.prompt_offset = min(offsets)
+        cfg.eval.num_prompts = None if None in ends else max(ends) - min(offsets)
+        cfg.eval.warmup = 0
+        cfg.resume = "auto"
+    OmegaConf.set_struct(cfg, True)
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        raise ValueError(f"config.yaml of shard {shard_dirs[0]}: {exc}") from None
+    return cfg
+
+
+def merge_and_report(out_dir: Path, shard_dirs: Sequence[Path], base=None, decoder=None) -> dict[str, Any]:
+    """:func:`merge_progress`, then write the merged reports with
+    :func:`evaluation.runner.run_evaluation` on :func:`report_config` (``base`` / ``decoder`` as
+    there, for tests).  Returns the merge summary with ``report`` (the report dict) added.
+
+    Raises:
+        ValueError, OSError: as :func:`merge_progress` and :func:`report_config`.
+        evaluation.runner.ParityError: a merged prompt's output differs from vanilla greedy
+            decoding (the reports are written first).
+    """
+    from evaluation.runner import run_evaluation
+
+    out = merge_progress(out_dir, shard_dirs)
+    out["report"] = run_evaluation(report_config(out_dir, list(map(Path, shard_dirs))), base=base, decoder=decoder)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry; returns the exit status (0 ok, 1 parity failure, 2 input error)."""
+    import logging
+
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)
         return 0
+    report = "--no-report" not in args
+    args = [a for a in args if a != "--no-report"]
     if len(args) < 2:
         print(USAGE, file=sys.stderr)
         return 2
+    from evaluation.prompts import PromptError
+    from evaluation.runner import ParityError, format_summary
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         out = merge_progress(Path(args[0]), [Path(a) for a in args[1:]])
-    except ValueError as exc:
+        shards = ", ".join(f"{s}: {n}" for s, n in out["per_shard"].items())
+        print(f"merged {out['prompts']} prompt(s) into {out['path']} ({shards}; {out['duplicates']} duplicate(s) kept once)")
+        for shard in out["torn"]:
+            print(f"note: {shard}/progress.jsonl ended in a torn line (a crash mid-write); that prompt is decoded again")
+        if not report:
+            return 0
+        from evaluation.runner import run_evaluation
+
+        result = run_evaluation(report_config(Path(args[0]), [Path(a) for a in args[1:]]))
+    except ParityError as exc:
+        print(f"PARITY FAILURE: {exc}", file=sys.stderr)
+        return 1
+    except (PromptError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: {exc.filename or args[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    shards = ", ".join(f"{s}: {n}" for s, n in out["per_shard"].items())
-    print(f"merged {out['prompts']} prompt(s) into {out['path']} ({shards}; {out['duplicates']} duplicate(s) kept once)")
-    for shard in out["torn"]:
-        print(f"note: {shard}/progress.jsonl ended in a torn line (a crash mid-write); that prompt is decoded again")
-    print("write the reports with the shards' command plus: eval.prompt_offset=0 "
-          f"eval.num_prompts={out['prompts']} (or the full count, to decode what no shard finished) "
-          f"eval.output_dir={args[0]} resume=auto")
+    for name, rep in (result["variants"].items() if "variants" in result else [(None, result)]):
+        if name:
+            print(f"== {name}")
+        print(format_summary(rep))
     return 0
 
 

@@ -125,41 +125,80 @@ def default_output_dir(cfg: DictConfig, info: dict[str, Any]) -> Path:
 
 
 def plot(report: dict[str, Any]) -> bytes:
-    """PNG bytes: acceptance per draft depth (and conditional), and per-prompt speedup."""
+    """PNG bytes of :func:`make_figure` (``acceptance.png``)."""
+    import matplotlib.pyplot as plt
+
+    fig = make_figure(report)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def make_figure(report: dict[str, Any]):
+    """A matplotlib figure of one report: the method's own figures (left), per-prompt speedup (right).
+
+    Left: for tree decoders, acceptance per draft depth (bars: accepted / proposed) and the
+    conditional acceptance (line: accepted at depth d / steps that accepted every depth < d and
+    whose tree reached d, the n-α of METHODS §5.1); for a decoder that reports per-layer early exits
+    (AdaDecode's ``decoder_summary``: ``exits_l<ℓ>`` / ``accepted_l<ℓ>``), exits and accepted exits
+    per layer as a share of emitted tokens, titled with its exit rate, rejection rate and layer
+    steps per token.  Right: histogram of per-prompt speedups (bars edged, y = prompt count) with
+    the labelled break-even line at 1.0.  The figure's title names the variant (``eval.variants``).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     m = report["method"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
     acc = m.get("acceptance_per_depth")
+    summary = m.get("decoder_summary") or {}
+    layers = sorted(int(k[len("exits_l"):]) for k in summary if k.startswith("exits_l") and k[7:].isdigit())
     if acc:
         depths = list(range(1, len(acc) + 1))
-        ax1.bar(depths, [a or 0.0 for a in acc], color="tab:blue", label="accepted / proposed")
+        ax1.bar(depths, [a or 0.0 for a in acc], color="tab:blue", edgecolor="black", linewidth=0.6,
+                label="accepted / proposed at depth d")
         cond = m.get("conditional_acceptance_per_depth") or []
         ax1.plot(depths, [c if c is not None else float("nan") for c in cond], "o-", color="tab:orange",
-                 label="conditional (n-α)")
+                 label="conditional: given depths < d accepted")
         ax1.set_ylim(0, 1.25)
         ax1.set_xticks(depths)
-        ax1.legend(loc="upper right", ncol=2, fontsize=8)
+        ax1.legend(loc="upper right", fontsize=8)
+        tau = m.get("tau")
+        ax1.set_title(f"acceptance per draft depth  (τ={tau:.2f}, bonus incl.)" if tau else "acceptance per draft depth")
+        ax1.set_xlabel("draft depth d")
+        ax1.set_ylabel("acceptance rate")
+    elif layers and summary.get("new_tokens"):
+        n = float(summary["new_tokens"])
+        x = list(range(len(layers)))
+        ax1.bar([i - 0.2 for i in x], [summary[f"exits_l{l}"] / n for l in layers], width=0.4, color="tab:blue",
+                edgecolor="black", linewidth=0.6, label="early exits proposed")
+        ax1.bar([i + 0.2 for i in x], [summary.get(f"accepted_l{l}", 0) / n for l in layers], width=0.4,
+                color="tab:green", edgecolor="black", linewidth=0.6, label="accepted by verification")
+        ax1.set_xticks(x, [f"hs[{l}]" for l in layers])
+        ax1.set_xlabel("exit layer")
+        ax1.set_ylabel("share of emitted tokens")
+        ax1.legend(loc="upper right", fontsize=8)
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        ax1.set_title(f"early exits: rate {fmt(summary.get('early_exit_rate'))}, rejected "
+                      f"{fmt(summary.get('rejection_rate'))}\nlayer steps/token {fmt(summary.get('layer_steps_per_token'))}"
+                      f" (vanilla {summary.get('vanilla_layer_steps_per_token')})", fontsize=10)
     else:
         ax1.text(0.5, 0.5, "no per-depth acceptance\n(non-tree decoder)", ha="center", va="center")
-    tau = m.get("tau")
-    ax1.set_title(f"acceptance per draft depth  (τ={tau:.2f}, bonus incl.)" if tau else "acceptance per draft depth")
-    ax1.set_xlabel("draft depth")
-    ax1.set_ylabel("acceptance rate")
+        ax1.set_title("acceptance per draft depth")
     sp = [p["speedup"] for p in report["per_prompt"] if p.get("speedup")]
-    ax2.hist(sp, bins=min(20, max(1, len(sp))), color="tab:green")
-    ax2.axvline(1.0, color="k", lw=0.8)
+    ax2.hist(sp, bins=min(20, max(1, len(sp))), color="tab:green", edgecolor="black", linewidth=0.6)
+    ax2.axvline(1.0, color="k", lw=0.9, ls="--", label="1.0 = vanilla speed")
+    ax2.legend(loc="upper right", fontsize=8)
     ax2.set_title(f"per-prompt speedup (overall {report['speedup']:.2f}x)" if report.get("speedup") else "per-prompt speedup")
     ax2.set_xlabel("method tokens/s ÷ vanilla tokens/s")
-    fig.suptitle(f"{report['head_type']} — {report['num_prompts']} prompts, parity {parity_text(report)}")
+    ax2.set_ylabel("prompts")
+    variant = f" [{report['variant']}]" if report.get("variant") else ""
+    fig.suptitle(f"{report['head_type']}{variant} — {report['num_prompts']} prompts, parity {parity_text(report)}")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return fig
 
 
 _NAME_OK = re.compile(r"[^A-Za-z0-9._=,+-]+")
@@ -217,6 +256,13 @@ def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
         name = _NAME_OK.sub("_", str(name)).strip("._") or f"variant{i}"
         if any(name == n for n, _ in out):
             raise ValueError(f"eval.variants[{i}]: duplicate variant name {name!r}; give each a distinct `name`")
+        from core.config import ConfigError, check_override_type
+
+        for k, val in v.items():
+            try:
+                check_override_type(f"eval.variants[{i}].{k}", cfg.eval.get(k), val)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
         c = cfg.copy()
         with open_dict(c):
             c.eval.variants = None
@@ -298,25 +344,52 @@ def prompt_digest(input_ids: torch.Tensor) -> str:
 UNFINGERPRINTED_EVAL_KEYS = ("output_dir", "threads", "warmup", "fail_on_mismatch", "num_prompts", "prompt_offset")
 
 
-def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, str]]:
-    """What determines an evaluation's per-prompt results (not where they go): a hash of the
-    model, heads, prompt and eval settings and the seed, and each checkpoint's weights-file SHA-256
-    (``{checkpoint path: sha256}``)."""
-    from core.io import sha256_file, sha256_json
+def checkpoint_digest(ckpt) -> str | None:
+    """SHA-256 of a head checkpoint's ``model.safetensors`` (its identity), or None when ``ckpt`` is
+    not a checkpoint directory (``oracle`` / ``random``, a missing path)."""
+    from core.io import sha256_file
+
+    if ckpt is None:
+        return None
+    path = Path(str(ckpt)) / "model.safetensors"
+    return sha256_file(path) if path.is_file() else None
+
+
+def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, dict[str, str]]]:
+    """What determines an evaluation's per-prompt results (not where they go or how a path is spelt).
+
+    Returns:
+        ``(fingerprint, weights)``: ``fingerprint`` hashes the model, heads, prompt and eval settings
+        and the seed, with every checkpoint path replaced by a reference to its slot in ``weights``
+        (so ``checkpoint=/abs/run/best`` and ``checkpoint=run/best`` are the same evaluation);
+        ``weights`` maps each checkpoint slot (``checkpoint``, ``variants[i]``) to
+        ``{"sha256": digest of model.safetensors, "path": as given}``: the digest is the
+        checkpoint's identity, the path is recorded only, never compared.
+    """
+    from core.io import sha256_json
 
     ev = dict(to_container(cfg.eval))
     # num_prompts / prompt_offset are left out: records are per prompt (checked by token hash), so a
     # larger num_prompts extends a finished evaluation, and shards (prompt_offset) can be combined
     for k in UNFINGERPRINTED_EVAL_KEYS:
         ev.pop(k, None)
-    weights = {}  # a retrained checkpoint at the same path must not reuse old results
-    for c in [ev.get("checkpoint")] + [v.get("checkpoint") for v in (ev.get("variants") or []) if isinstance(v, dict)]:
-        if c is not None and (Path(str(c)) / "model.safetensors").is_file():
-            weights[str(c)] = sha256_file(Path(str(c)) / "model.safetensors")
+    weights: dict[str, dict[str, str]] = {}  # a retrained checkpoint at the same path must not reuse old results
+    slots = [("checkpoint", ev)] + [(f"variants[{i}]", v) for i, v in enumerate(ev.get("variants") or [])
+                                    if isinstance(v, dict)]
+    for slot, holder in slots:
+        digest = checkpoint_digest(holder.get("checkpoint"))
+        if digest is not None:
+            weights[slot] = {"sha256": digest, "path": str(holder["checkpoint"])}
+            holder["checkpoint"] = f"<weights[{slot}]>"  # identity = the digest in ``weights``, not the path
     return sha256_json({"model": to_container(cfg.model) if "model" in cfg else None,
                         "heads": to_container(cfg.heads) if "heads" in cfg else None,
                         "data": to_container(cfg.data) if "data" in cfg and not ev.get("prompts") else None,
                         "eval": ev, "seed": cfg.get("seed")}), weights
+
+
+def weight_digests(weights: dict[str, Any] | None) -> dict[str, str]:
+    """``{slot: sha256}`` of a progress header's ``weights`` (:func:`progress_fingerprint`)."""
+    return {k: (v.get("sha256") if isinstance(v, dict) else str(v)) for k, v in (weights or {}).items()}
 
 
 RECORD_KEYS = ("id", "prompt_sha256", "vanilla", "methods")
@@ -375,7 +448,8 @@ class Progress:
     """Per-prompt results appended to ``progress.jsonl`` as they finish, so an interrupted
     evaluation resumes (``resume=auto``) without decoding finished prompts again.
 
-    Line 1 is ``{"fingerprint": ..., "weights": ...}`` (:func:`progress_fingerprint`); every further line is one
+    Line 1 is ``{"fingerprint": ..., "weights": ...}`` (:func:`progress_fingerprint`: checkpoints
+    are identified by content, their paths only recorded); every further line is one
     prompt's record (vanilla and method tokens, stats, seconds).  Each line is flushed and fsynced;
     a torn last line (a crash mid-write) is ignored.
 
@@ -396,11 +470,14 @@ class Progress:
             if resume != "auto":
                 raise ValueError(f"{path} already holds results of {len(self.records)} prompt(s): "
                                  "pass resume=auto to continue them, or choose another eval.output_dir")
-            changed = sorted(c for c in set(weights) | set(head.get("weights") or {})
-                             if weights.get(c) != (head.get("weights") or {}).get(c))
+            now, then = weight_digests(weights), weight_digests(head.get("weights"))
+            changed = sorted(c for c in set(now) | set(then) if now.get(c) != then.get(c))
             if changed:
-                raise ValueError(f"{path}: the weights of checkpoint {', '.join(changed)} changed since these results "
-                                 "were written; evaluate them into another eval.output_dir")
+                names = [str((weights.get(c) or (head.get("weights") or {}).get(c) or {}).get("path", c))
+                         if isinstance(weights.get(c) or (head.get("weights") or {}).get(c), dict) else c for c in changed]
+                raise ValueError(f"{path}: the weights of checkpoint {', '.join(names)} changed since these results "
+                                 "were written (checkpoints are identified by their model.safetensors SHA-256); "
+                                 "evaluate them into another eval.output_dir")
             if head.get("fingerprint") != fingerprint:
                 raise ValueError(f"{path} was written under a different model/heads/eval configuration; "
                                  "resume with the same settings, or choose another eval.output_dir")
@@ -585,11 +662,22 @@ def format_summary(report: dict[str, Any]) -> str:
     fmt = lambda x, f="{:.3f}": "-" if x is None else f.format(x)  # noqa: E731
     acc = report.get("acceptance_per_depth") or []
     lines = [
-        f"decoder: {report['decoder']}  ({report['num_prompts']} prompts, max_new_tokens={report['max_new_tokens']}, "
-        f"{report['device']}, {report['dtype']})",
+        f"decoder: {report['decoder']}{' [' + report['variant'] + ']' if report.get('variant') else ''}  "
+        f"({report['num_prompts']} prompts, max_new_tokens={report['max_new_tokens']}, {report['device']}, {report['dtype']})",
         f"parity: {parity_text(report)}",
-        f"tau (bonus incl.): {fmt(report.get('tau'))}   drafter passes/step: {fmt(report.get('drafter_passes_per_step'), '{:.2f}')}",
-        "acceptance per depth: " + (" ".join(fmt(a, "{:.2f}") for a in acc) if acc else "-"),
+    ]
+    ds = m.get("decoder_summary") or {}
+    if report.get("tau") is not None or not ds:
+        lines += [
+            f"tau (bonus incl.): {fmt(report.get('tau'))}   drafter passes/step: {fmt(report.get('drafter_passes_per_step'), '{:.2f}')}",
+            "acceptance per depth: " + (" ".join(fmt(a, "{:.2f}") for a in acc) if acc else "-")]
+    if "early_exit_rate" in ds:  # early-exit decoders (AdaDecode): their own figures, from summed counts
+        lines += [
+            f"early exits: accepted {fmt(ds.get('early_exit_rate'))} of emitted tokens, attempted "
+            f"{fmt(ds.get('exit_attempt_rate'))}, rejection rate {fmt(ds.get('rejection_rate'))}",
+            f"layer steps/token: {fmt(ds.get('layer_steps_per_token'), '{:.2f}')} (vanilla "
+            f"{ds.get('vanilla_layer_steps_per_token')}; layer-step speedup {fmt(ds.get('layer_step_speedup'), '{:.2f}')}x)"]
+    lines += [
         f"base forwards/token: vanilla {fmt(v['base_forwards_per_token'])}, method {fmt(m.get('base_forwards_per_token'))}",
         f"tokens/s: vanilla {fmt(v['tokens_per_s'], '{:.1f}')}, method {fmt(m.get('tokens_per_s'), '{:.1f}')}  "
         f"speedup {fmt(report.get('speedup'), '{:.2f}')}x  (drafter time share {fmt(m.get('drafter_time_share'), '{:.2f}')})",

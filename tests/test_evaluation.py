@@ -309,7 +309,8 @@ def test_sharded_evaluation_merges_and_resumes_without_redecoding(tiny_base, tin
     a = run("a", "eval.num_prompts=2")
     b = run("b", "eval.prompt_offset=2", "eval.num_prompts=5")
     assert [r["id"] for r in a["per_prompt"]] == ["81", "p2"] and [r["id"] for r in b["per_prompt"]] == ["line3"]
-    assert merge_main([str(tmp_path / "all"), str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "a")]) == 0
+    assert merge_main(["--no-report", str(tmp_path / "all"), str(tmp_path / "a"), str(tmp_path / "b"),
+                       str(tmp_path / "a")]) == 0
     assert "merged 3 prompt(s)" in capsys.readouterr().out
     dec = _Counting(tiny_base[0])
     full = run("all", "eval.num_prompts=3", "resume=auto", dec=dec)

@@ -1,0 +1,232 @@
+"""What a new user trips over (issue 19 items 2, 3, 7, 8, 11, 12, 14): content identities,
+report totals from summed counts, typed config errors naming the key, run-name namespaces, plots."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from core.config import ConfigError, compose
+from evaluation.__main__ import main as eval_main, rewrite_argv
+from evaluation.runner import make_figure, run_evaluation
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"id": "a", "prompt": "Write a short poem about the sea."}, {"id": "b", "prompt": "def add(a, b):"},
+            {"id": "c", "prompt": "Hello there!"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _argv(tiny_model_dir, out, *extra):
+    return rewrite_argv([f"model.path={tiny_model_dir}", "model.attn_implementation=eager", f"eval.output_dir={out}",
+                         "eval.max_new_tokens=12", "eval.warmup=0", *extra])
+
+
+# ---------------------------------------------------------------- item 7: typed values, one-line errors
+@pytest.mark.parametrize("args,message", [
+    (["heads.slots=abc"], 'heads.slots="abc" must be an integer'),
+    (["heads=falcon", "heads.num_layers=x"], 'heads.num_layers="x" must be an integer'),
+    (["heads=adadecode", "heads.gamma=high"], 'heads.gamma="high" must be a number'),
+    (["train.shuffle=1"], "train.shuffle=1 must be true or false"),
+    (["prep.layers=3"], "prep.layers=3 must be a list"),
+    (["eval.max_new_tokens=1.5"], "eval.max_new_tokens=1.5 must be an integer"),
+])
+def test_wrong_typed_value_names_the_key(args, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        compose(args)
+
+
+def test_numbers_where_numbers_belong_still_compose():
+    cfg = compose(["heads=adadecode", "heads.gamma=1", "strategy.timeout_minutes=5", "train.devices=2",
+                   "train.batch_size=null", "train.max_tokens=512"])
+    assert cfg.heads.gamma == 1 and cfg.train.devices == 2 and cfg.train.batch_size is None
+
+
+def test_cli_typed_error_is_one_line_exit_2(capsys):
+    from train.run import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["heads.slots=abc"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and 'heads.slots="abc"' in err
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="needs a torch without CUDA")
+@pytest.mark.parametrize("args,message", [
+    (["eval.device=cuda"], "eval.device=cuda, but this torch sees no CUDA device"),
+    (["eval.device=cuda:1"], "eval.device=cuda:1, but this torch sees no CUDA device"),
+    (["eval.device=tpu"], "eval.device='tpu' is not valid"),
+    (["train.accelerator=gpu"], "train.accelerator=gpu, but this torch sees no CUDA device"),
+    # item 8: fp16 on a CPU would silently become bf16-mixed
+    (["train.precision=16-mixed"], "train.precision=16-mixed on a CPU: torch has no float16 autocast"),
+    (["train.precision=16-true"], "train.precision=16-true on a CPU"),
+])
+def test_devices_and_precisions_this_machine_lacks_are_refused(args, message):
+    with pytest.raises(ConfigError, match=message):
+        compose(args)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="needs a torch without CUDA")
+def test_eval_cuda_on_cpu_torch_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        eval_main(["checkpoint=oracle", "eval.device=cuda"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("error: eval.device=cuda") and err.count("\n") == 1
+
+
+def test_variant_values_are_typed_too(tiny_model_dir, tmp_path, capsys):
+    rc = eval_main(_argv(tiny_model_dir, tmp_path / "out", "heads=adadecode", "checkpoint=oracle",
+                         "eval.variants=[{reference_depth: deep}]"))
+    assert rc == 2 and 'eval.variants[0].reference_depth="deep" must be an integer' in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- item 12: run names per head variant
+def test_run_names_are_namespaced_per_head_variant(tmp_path):
+    from train.resume import resolve_resume
+    from train.run import run_dir_for
+
+    dirs = {h: run_dir_for(compose([f"heads={h}", "train.run_name=r1", f"output_root={tmp_path}"]))
+            for h in ("falcon", "falcon_noglance", "falcon_k1", "ctc")}
+    assert dirs == {h: tmp_path / "runs" / h / "r1" for h in dirs}
+    # resume=auto without a run name finds the newest run of this variant only
+    k1 = dirs["falcon_k1"] / "checkpoints" / "last.ckpt"
+    k1.parent.mkdir(parents=True)
+    k1.write_bytes(b"x")
+    auto = lambda h: resolve_resume(compose([f"heads={h}", "resume=auto", f"output_root={tmp_path}"]), run_dir_for)  # noqa: E731
+    assert auto("falcon_k1") == (k1, dirs["falcon_k1"])
+    assert auto("falcon") == (None, None)
+
+
+# ---------------------------------------------------------------- item 2 + 11: content identity, merge writes the report
+def test_shards_with_differently_spelt_checkpoint_merge_and_resume(tiny_base, tiny_model_dir, tmp_path, prompts_file,
+                                                                   monkeypatch, capsys):
+    """One checkpoint given as an absolute and as a relative path is one identity (its weights'
+    SHA-256): the shards merge, ``python -m evaluation.merge`` writes the merged report itself without
+    decoding again, and a shard resumes under the other spelling."""
+    import heads
+    import evaluation.runner as runner
+
+    monkeypatch.chdir(tmp_path)
+    cfg = compose(_argv(tiny_model_dir, tmp_path / "a", "checkpoint=ckpt", f"eval.prompts={prompts_file}"))
+    torch.manual_seed(0)
+    heads.save(heads.build(cfg.heads, tiny_base[0]), tmp_path / "ckpt", tiny_base[2].to_dict())
+    common = [f"eval.prompts={prompts_file}"]
+    a = run_evaluation(compose(_argv(tiny_model_dir, tmp_path / "a", f"checkpoint={tmp_path / 'ckpt'}",
+                                     "eval.num_prompts=2", *common)), base=tiny_base)
+    b = run_evaluation(compose(_argv(tiny_model_dir, "b", "checkpoint=ckpt", "eval.prompt_offset=2",
+                                     "eval.num_prompts=1", *common)), base=tiny_base)
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("a finished prompt was decoded again")
+
+    monkeypatch.setattr(runner, "_decode_prompt", no_decoding)
+    # resume shard a under the relative spelling: same weights, nothing decoded again
+    again = run_evaluation(compose(_argv(tiny_model_dir, tmp_path / "a", "checkpoint=ckpt", "eval.num_prompts=2",
+                                         "resume=auto", *common)), base=tiny_base)
+    assert [r["id"] for r in again["per_prompt"]] == ["a", "b"]
+    from evaluation.merge import main as merge_main
+
+    assert merge_main([str(tmp_path / "all"), str(tmp_path / "a"), "b"]) == 0
+    out = capsys.readouterr().out
+    assert "merged 3 prompt(s)" in out and "parity: 3/3" in out
+    rep = json.loads((tmp_path / "all" / "report.json").read_text())
+    assert (tmp_path / "all" / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    assert [r["id"] for r in rep["per_prompt"]] == ["a", "b", "c"] and rep["num_prompts"] == 3
+    assert rep["method"]["tokens"] == a["method"]["tokens"] + b["method"]["tokens"]
+    assert rep["vanilla"]["tokens"] == a["vanilla"]["tokens"] + b["vanilla"]["tokens"]
+    head = json.loads((tmp_path / "all" / "progress.jsonl").read_text().splitlines()[0])
+    assert head["weights"]["checkpoint"]["path"] == str(tmp_path / "ckpt")  # recorded, not compared
+    # other weights under the same relative path are another identity: refused, naming the path
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(tmp_path / "ckpt" / "model.safetensors")
+    save_file({k: v + 1 for k, v in w.items()}, str(tmp_path / "ckpt" / "model.safetensors"))
+    with pytest.raises(ValueError, match="the weights of checkpoint ckpt changed"):
+        run_evaluation(compose(_argv(tiny_model_dir, "b", "checkpoint=ckpt", "resume=auto", *common)), base=tiny_base)
+
+
+# ---------------------------------------------------------------- item 3 + 14: totals from counts, console, plots
+def _brute_force_totals(stats_list):
+    out = {}
+    for k in {k for s in stats_list for k in s}:
+        vals = [s[k] for s in stats_list if k in s]
+        if k.startswith("max_"):
+            out[k] = max(vals)
+        elif all(isinstance(v, int) for v in vals) or k in ("seconds",) or k.endswith("_seconds"):
+            out[k] = sum(vals)
+    return out
+
+
+def test_adadecode_totals_are_recomputed_from_summed_counts(tiny_base, tiny_model_dir, tmp_path, prompts_file, capsys):
+    """Two prompts, two γ variants (issue 19 item 3): every total equals a brute-force sum of the
+    per-prompt counts, no per-prompt ratio is ever summed, and the rates come from summed counts."""
+    import heads
+
+    args = _argv(tiny_model_dir, tmp_path / "out", "heads=adadecode", "heads.layers=[1,2]",
+                 f"checkpoint={tmp_path / 'ckpt'}", f"eval.prompts={prompts_file}", "eval.num_prompts=2",
+                 "eval.variants=[{gamma: 0.0}, {gamma: 0.05}]")
+    cfg = compose(args)
+    torch.manual_seed(0)
+    head = heads.build(cfg.heads, tiny_base[0])
+    with torch.no_grad():  # a perturbed logit lens: some early exits are right, some rejected
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.4)
+    heads.save(head, tmp_path / "ckpt", tiny_base[2].to_dict())
+    result = run_evaluation(cfg, base=tiny_base)
+    rejected = {}
+    for name, rep in result["variants"].items():
+        m, rows = rep["method"], rep["per_prompt"]
+        stats = [r["stats"] for r in rows]
+        assert m["totals"] == pytest.approx(_brute_force_totals(stats))
+        for ratio in ("rejection_rate", "early_exit_rate", "layer_steps_per_token", "tokens_per_s",
+                      "vanilla_layer_steps_per_token", "layer_step_speedup"):
+            assert ratio not in m["totals"]
+        acc = sum(s["accepted_exits"] for s in stats)
+        rej = sum(s["rejected_exits"] for s in stats)
+        new = sum(s["new_tokens"] for s in stats)
+        ds = m["decoder_summary"]
+        rejected[name] = rej
+        assert ds["early_exit_rate"] == pytest.approx(acc / new)
+        assert ds["rejection_rate"] == (pytest.approx(rej / (acc + rej)) if acc + rej else None)
+        assert ds["layer_steps_per_token"] == pytest.approx(sum(s["layer_steps"] for s in stats)
+                                                            / sum(s["new_tokens"] - 1 for s in stats))
+        assert m["tokens_per_s"] == pytest.approx(sum(r["method_tokens"] for r in rows)
+                                                  / sum(r["method_seconds"] for r in rows))
+        assert m["totals"]["max_inflight_seen"] == max(s["max_inflight_seen"] for s in stats)
+        # the console and the PNG show AdaDecode's own figures
+        from evaluation.runner import format_summary
+
+        text = format_summary(rep)
+        assert f"rejection rate {ds['rejection_rate'] if ds['rejection_rate'] is None else format(ds['rejection_rate'], '.3f')}".replace("None", "-") in text
+        assert "layer steps/token" in text
+        assert "tau (bonus incl.)" not in text
+        fig = make_figure(rep)
+        left, right = fig.axes[:2]
+        assert "early exits: rate" in left.get_title() and left.get_ylabel() == "share of emitted tokens"
+        assert [round(p.get_height(), 6) for p in left.patches[:2]] == [round(ds["exits_l1"] / new, 6), round(ds["exits_l2"] / new, 6)]
+        assert f"[{name}]" in fig._suptitle.get_text()  # per-variant titles
+    assert rejected["gamma=0.0"] > 0  # so its two per-prompt rejection rates sum to more than 1
+    titles = {make_figure(r)._suptitle.get_text() for r in result["variants"].values()}
+    assert len(titles) == 2
+
+
+def test_speedup_plot_is_labelled(tiny_model_dir, tmp_path, prompts_file):
+    """Item 14: y label and bar edges on the speedup histogram, a labelled 1.0 line, the
+    conditional acceptance explained in the legend."""
+    rep = run_evaluation(compose(_argv(tiny_model_dir, tmp_path / "out", "checkpoint=oracle",
+                                       f"eval.prompts={prompts_file}", "eval.reference_depth=2")))
+    fig = make_figure(rep)
+    left, right = fig.axes[:2]
+    assert right.get_ylabel() == "prompts" and right.patches
+    assert all(p.get_edgecolor()[3] > 0 and p.get_linewidth() > 0 for p in right.patches)
+    assert "1.0 = vanilla speed" in [t.get_text() for t in right.get_legend().get_texts()]
+    assert "conditional: given depths < d accepted" in [t.get_text() for t in left.get_legend().get_texts()]
+    assert left.get_ylabel() == "acceptance rate"
