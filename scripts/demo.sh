@@ -4,15 +4,26 @@
 #   2. train the CTC-drafter head on the cache
 #   3. lossless speculative decoding on held-out ShareGPT prompts vs vanilla greedy decoding
 # Every stage resumes: re-running skips finished cache shards and continues the training run.
-# Extra key=value arguments go to every stage (e.g. data.max_conversations=50).
+# Extra key=value arguments go to every stage (e.g. data.max_conversations=50); the stages'
+# paths follow them: output_root=/x puts the run under /x/runs/ctc/<run name> and evaluates that
+# head into /x/eval/<run name>; train.run_name=r2 names the run (default: demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export WANDB_MODE=${WANDB_MODE:-offline}
 
+ROOT=outputs
+RUN=demo
+for arg in "$@"; do  # the last value wins, as in the config composition
+  case "$arg" in
+    output_root=*) ROOT=${arg#output_root=} ;;
+    train.run_name=*) RUN=${arg#train.run_name=} ;;
+  esac
+done
+
 "$PY" -m data_prep "$@"
-"$PY" -m train heads=ctc train.run_name=demo resume=auto \
+"$PY" -m train heads=ctc train.run_name="$RUN" resume=auto \
   train.max_steps=150 train.val_every_n_steps=50 train.scheduler.warmup_steps=20 train.optimizer.lr=3e-4 "$@"
-"$PY" -m evaluation heads=ctc checkpoint=outputs/runs/ctc/demo/best \
-  eval.num_prompts=8 eval.max_new_tokens=64 eval.output_dir=outputs/eval/demo resume=auto "$@"
-echo "demo done: cache in outputs/cache, run in outputs/runs/ctc/demo, report in outputs/eval/demo/report.json"
+"$PY" -m evaluation heads=ctc checkpoint="$ROOT/runs/ctc/$RUN/best" \
+  eval.num_prompts=8 eval.max_new_tokens=64 eval.output_dir="$ROOT/eval/$RUN" resume=auto "$@"
+echo "demo done: cache in $ROOT/cache, run in $ROOT/runs/ctc/$RUN, report in $ROOT/eval/$RUN/report.json"

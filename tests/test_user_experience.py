@@ -230,3 +230,38 @@ def test_speedup_plot_is_labelled(tiny_model_dir, tmp_path, prompts_file):
     assert "1.0 = vanilla speed" in [t.get_text() for t in right.get_legend().get_texts()]
     assert "conditional: given depths < d accepted" in [t.get_text() for t in left.get_legend().get_texts()]
     assert left.get_ylabel() == "acceptance rate"
+
+
+# ---------------------------------------------------------------- item 10: demo.sh follows the overrides
+@pytest.mark.parametrize("extra,root,run", [
+    ([], "outputs", "demo"),
+    (["output_root=/x/y", "data.max_conversations=50"], "/x/y", "demo"),
+    (["output_root=/a", "train.run_name=r2", "output_root=/b"], "/b", "r2"),
+])
+def test_demo_script_evaluates_the_head_it_trained(tmp_path, extra, root, run):
+    """scripts/demo.sh with a stand-in python that records each stage's arguments: the evaluation
+    reads the head from the run directory the training stage writes, under the same output_root."""
+    import subprocess
+    from pathlib import Path
+
+    log = tmp_path / "calls.jsonl"
+    fake = tmp_path / "py"
+    fake.write_text(f"#!/usr/bin/env python3\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake.chmod(0o755)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "demo.sh"
+    out = subprocess.run(["bash", str(script), *extra], env={**os.environ, "PY": str(fake)}, capture_output=True,
+                         text=True, check=True).stdout
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c[:2] for c in calls] == [["-m", "data_prep"], ["-m", "train"], ["-m", "evaluation"]]
+    for c in calls:
+        assert c[-len(extra):] == extra if extra else True  # the user's arguments reach every stage, last
+    from core.config import compose
+
+    train_cfg = compose(calls[1][2:])
+    from train.run import run_dir_for
+
+    run_dir = run_dir_for(train_cfg)
+    eval_cfg = compose(rewrite_argv(calls[2][2:]))
+    assert Path(eval_cfg.eval.checkpoint) == run_dir / "best" == Path(root) / "runs" / "ctc" / run / "best"
+    assert Path(eval_cfg.eval.output_dir) == Path(root) / "eval" / run
+    assert f"report in {root}/eval/{run}/report.json" in out
