@@ -113,6 +113,52 @@ class BaseIdentity:
         return asdict(self)
 
 
+# Fields of BaseIdentity that identify the base; the shape fields can never differ (the head's and the
+# cache's tensors would not fit), the others only with an explicit override.
+IDENTITY_FIELDS = ("sha256", "architecture", "num_hidden_layers", "vocab_size", "hidden_size")
+SHAPE_FIELDS = ("vocab_size", "hidden_size")
+
+
+def check_same_base(recorded: dict[str, Any] | None, current: dict[str, Any], what: str, override_key: str,
+                    allow: bool = False) -> list[str]:
+    """Compare the base identity a cache or head checkpoint recorded with the loaded base model's.
+
+    A field is compared when both sides record it (``sha256`` is the GGUF file's SHA-256; it is
+    null for a Hugging Face folder or hub id, which are then compared by architecture and shape
+    only).
+
+    Args:
+        recorded: the recorded :meth:`BaseIdentity.to_dict` (a cache manifest's ``base``, a head's
+            ``config.json`` ``base``); None or empty = nothing to compare.
+        current: the loaded base model's identity dict.
+        what: names the cache split or checkpoint in the message.
+        override_key: the config key that accepts a different base (named in the message).
+        allow: that key's value: differences outside :data:`SHAPE_FIELDS` are then returned, not raised.
+
+    Returns:
+        The differing fields, as ``"field: recorded -> current"`` strings (empty when the same base).
+
+    Raises:
+        core.config.UserInputError: a shape field differs (always), or another field differs and
+            ``allow`` is false.
+    """
+    from core.config import UserInputError
+
+    recorded = recorded or {}
+    diffs = [f for f in IDENTITY_FIELDS if recorded.get(f) is not None and current.get(f) is not None
+             and str(recorded[f]) != str(current[f])]
+    text = [f"{f}: {recorded[f]} -> {current[f]}" for f in diffs]
+    if not diffs:
+        return []
+    where = f"{what} was made with another base model than the one loaded ({'; '.join(text)}; recorded source " \
+            f"{recorded.get('source')!r}, loaded {current.get('source')!r})"
+    if any(f in SHAPE_FIELDS for f in diffs):
+        raise UserInputError(f"{where}: its tensors cannot fit this base; use the base it was made with (model.path=)")
+    if not allow:
+        raise UserInputError(f"{where}; use that base (model.path=), or set {override_key}=true to proceed anyway")
+    return text
+
+
 def resolve_model_dir(model_cfg: Any) -> tuple[str, str, str | None]:
     """Return ``(load_path, source, sha256)`` for a ``model`` config section."""
     path = model_cfg.get("path")

@@ -59,12 +59,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch.device):
+def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch.device, identity=None):
     """The method's decoder for this run, and a description dict.
+
+    ``identity`` (the loaded base's :class:`core.base_model.BaseIdentity` or its dict) is compared
+    with the base the head checkpoint recorded (:func:`core.base_model.check_same_base`).
 
     Raises:
         ValueError: ``eval.checkpoint`` is missing, or the checkpoint's head type differs from
             ``heads.type``.
+        core.config.UserInputError: the checkpoint was trained on another base (unless
+            ``eval.allow_other_base=true`` and only the weights / architecture differ).
         TypeError: ``make_drafter`` returned neither a Decoder nor a Drafter.
     """
     ev = cfg.eval
@@ -86,6 +91,16 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
         path = Path(str(ckpt))
         if not path.is_dir():
             raise ValueError(f"eval.checkpoint={str(ckpt)!r}: not a directory")
+        if identity is not None:  # before loading: a head of another base may not even fit
+            from core.base_model import check_same_base
+
+            recorded = json.loads((path / "config.json").read_text()).get("base") if (path / "config.json").is_file() else None
+            differs = check_same_base(recorded, identity.to_dict() if hasattr(identity, "to_dict") else dict(identity),
+                                      f"head checkpoint {path}", "eval.allow_other_base",
+                                      bool(ev.get("allow_other_base", False)))
+            if differs:
+                log.warning("eval.allow_other_base=true: %s was trained on another base (%s)", path, "; ".join(differs))
+                info["other_base"] = differs
         head, meta = heads.load(path, base_model=base_model)
         want = cfg.heads.get("type") if "heads" in cfg else None
         if want is not None and meta["head_type"] != want:
@@ -205,7 +220,7 @@ _NAME_OK = re.compile(r"[^A-Za-z0-9._=,+-]+")
 # eval keys that define the shared reference run (prompts, lengths, dtype, device, sampling), not a method
 SHARED_EVAL_KEYS = frozenset({"variants", "prompts", "prompt_field", "num_prompts", "prompt_offset", "max_new_tokens",
                               "max_prompt_tokens", "dtype", "device", "threads", "warmup", "output_dir",
-                              "fail_on_mismatch", "temperature"})
+                              "fail_on_mismatch", "temperature", "allow_other_base"})
 
 
 def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
@@ -341,7 +356,8 @@ def prompt_digest(input_ids: torch.Tensor) -> str:
 
 
 # eval keys that do not change any prompt's result; shards may differ in these
-UNFINGERPRINTED_EVAL_KEYS = ("output_dir", "threads", "warmup", "fail_on_mismatch", "num_prompts", "prompt_offset")
+UNFINGERPRINTED_EVAL_KEYS = ("output_dir", "threads", "warmup", "fail_on_mismatch", "num_prompts", "prompt_offset",
+                             "allow_other_base")
 
 
 def checkpoint_digest(ckpt) -> str | None:
@@ -542,7 +558,7 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
                                              "decoder": type(decoder).__name__}))
     else:
         for name, vcfg in variants:
-            dec, info = build_decoder(vcfg, model, eos_ids, device)
+            dec, info = build_decoder(vcfg, model, eos_ids, device, identity)
             methods.append((name, vcfg, dec, info))
     temperature = float(ev.get("temperature") or 0.0)
     if temperature > 0:

@@ -265,3 +265,57 @@ def test_demo_script_evaluates_the_head_it_trained(tmp_path, extra, root, run):
     assert Path(eval_cfg.eval.checkpoint) == run_dir / "best" == Path(root) / "runs" / "ctc" / run / "best"
     assert Path(eval_cfg.eval.output_dir) == Path(root) / "eval" / run
     assert f"report in {root}/eval/{run}/report.json" in out
+
+
+# ---------------------------------------------------------------- item 4: base identity
+def _with_sha(identity, sha):
+    from dataclasses import replace
+
+    return replace(identity, sha256=sha)
+
+
+def test_training_on_a_cache_of_another_base_is_refused(tiny_base, tiny_model_dir, tmp_path, capsys):
+    from core.config import UserInputError
+    from core.tiny import write_random_cache
+    from train.run import _cache_datamodule, train
+
+    cache = write_random_cache(tmp_path / "cache", tiny_model_dir, n_train=2, n_val=1)
+    for split in ("train", "val"):  # the cache records a GGUF base with another SHA-256
+        m = json.loads((cache / split / "manifest.json").read_text())
+        m["base"]["sha256"] = "b" * 64
+        (cache / split / "manifest.json").write_text(json.dumps(m))
+    model, tok, identity = tiny_base
+    base = (model, tok, _with_sha(identity, "a" * 64))
+    args = ["train.logger=none", "train.progress_bar=false", f"output_root={tmp_path}", f"train.cache_dir={cache}",
+            "train.run_name=x", "train.max_steps=1"]
+    with pytest.raises(UserInputError, match=r"cache .*train was made with another base model .*sha256: b{64} -> a{64}"
+                                             r".*train.allow_other_base=true"):
+        train(compose(args), base=base)
+    assert not (tmp_path / "runs").exists()
+    # the explicit override accepts other weights of the same shape ...
+    dm = _cache_datamodule(compose(args + ["train.allow_other_base=true"]), tok, base[2].to_dict())
+    assert len(dm.train_reader) == 2
+    # ... never another vocabulary
+    with pytest.raises(UserInputError, match="vocab_size: .* -> 7.*cannot fit"):
+        _cache_datamodule(compose(args + ["train.allow_other_base=true"]), tok, {**base[2].to_dict(), "vocab_size": 7})
+
+
+def test_evaluating_a_head_of_another_base_is_refused(tiny_base, tiny_model_dir, tmp_path, prompts_file):
+    import heads
+    from core.config import UserInputError
+
+    model, tok, identity = tiny_base
+    args = _argv(tiny_model_dir, tmp_path / "out", "heads=ctc", f"checkpoint={tmp_path / 'ckpt'}",
+                 f"eval.prompts={prompts_file}", "eval.num_prompts=1")
+    heads.save(heads.build(compose(args).heads, model), tmp_path / "ckpt", _with_sha(identity, "b" * 64).to_dict())
+    base = (model, tok, _with_sha(identity, "a" * 64))
+    with pytest.raises(UserInputError, match=r"head checkpoint .*ckpt was made with another base model.*"
+                                             r"eval.allow_other_base=true"):
+        run_evaluation(compose(args), base=base)
+    assert not (tmp_path / "out").exists()
+    rep = run_evaluation(compose(args + ["eval.allow_other_base=true"]), base=base)
+    assert rep["info"]["other_base"] == [f"sha256: {'b' * 64} -> {'a' * 64}"] and rep["parity"]["matched"] == 1
+    # the same base passes silently
+    heads.save(heads.build(compose(args).heads, model), tmp_path / "ckpt", base[2].to_dict())
+    assert "other_base" not in run_evaluation(compose(args[:2] + [f"eval.output_dir={tmp_path / 'o2'}"] + args[3:]),
+                                              base=base)["info"]

@@ -230,8 +230,9 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
 
     Raises:
         FileNotFoundError: the cache (or one of its splits) does not exist.
-        ValueError: the cache was made with a different base model (vocab / hidden size).
-        UserInputError: a fresh run (no ``resume``) would overwrite an existing run directory; a
+        UserInputError: the cache was made with another base model (its recorded identity:
+            GGUF SHA-256, architecture, layer count, vocab / hidden size; all but the sizes may
+            be overridden with ``train.allow_other_base=true``); a fresh run (no ``resume``) would overwrite an existing run directory; a
             bad ``heads`` / ``train`` value (raised before the run directory is created); the
             cache lacks a hidden-state layer the head reads.
     """
@@ -312,12 +313,16 @@ def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> C
 
     cache_dir = Path(cfg.train.cache_dir) if cfg.train.cache_dir else default_cache_dir(cfg)
     readers = {split: open_split(cache_dir, split) for split in ("train", "val")}
+    from core.base_model import check_same_base
+
     for split, reader in readers.items():
-        base = reader.manifest.get("base") or {}
-        for key in ("vocab_size", "hidden_size"):
-            if key in base and key in identity and int(base[key]) != int(identity[key]):
-                raise ValueError(f"cache {cache_dir / split} was made with {key}={base[key]}, "
-                                 f"the base model has {identity[key]} (model.path={cfg.model.path!r})")
+        differs = check_same_base(reader.manifest.get("base"), identity, f"cache {cache_dir / split}",
+                                  "train.allow_other_base", bool(cfg.train.get("allow_other_base", False)))
+        if differs:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"train.allow_other_base=true: training on cache {cache_dir / split} made with another "
+                           f"base ({'; '.join(differs)})")
     pad_id = readers["train"].pad_id if hasattr(readers["train"], "pad_id") else (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     t = cfg.train
