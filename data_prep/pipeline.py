@@ -223,10 +223,15 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         raise UserInputError(f"prep.layers={layers}: intermediate layer ids must lie in [1, L={L}) "
                              f"(hs[{L}], the final post-norm state, is always cached)")
     refuse_different_cache(root, cfg)  # before anything is written there
+    data = read_split(cfg.data)  # a missing, unreadable or empty input leaves no cache directory behind
+    if not data.train and not data.val:
+        raise UserInputError(
+            f"no usable conversation in {cfg.data.path or 'the packaged ShareGPT file'} "
+            f"(records read {data.stats.records}, dropped {dict(sorted(Counter(data.stats.dropped).items()))}); "
+            "check data.path, data.max_length and data.max_conversations")
     root.mkdir(parents=True, exist_ok=True)
     save_config(cfg, root)
     dtype = cache_mod._TORCH_DTYPES[cfg.prep.dtype]
-    data = read_split(cfg.data)
     S = int(cfg.prep.shard_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(tokenizer.eos_token_id)
     header = {

@@ -319,3 +319,38 @@ def test_evaluating_a_head_of_another_base_is_refused(tiny_base, tiny_model_dir,
     heads.save(heads.build(compose(args).heads, model), tmp_path / "ckpt", base[2].to_dict())
     assert "other_base" not in run_evaluation(compose(args[:2] + [f"eval.output_dir={tmp_path / 'o2'}"] + args[3:]),
                                               base=base)["info"]
+
+
+# ---------------------------------------------------------------- item 9: validate first, create directories last
+@pytest.mark.parametrize("make_input,message", [
+    (lambda d: d, "not found"),  # data.path=<a directory>
+    (lambda d: (d / "x.jsonl").write_text('{"a": 1}\n{"id": "2", "text": "no conversations"}\n') and d / "x.jsonl",
+     "no usable conversation in .*missing_conversations"),  # not ShareGPT
+])
+def test_bad_data_prep_input_leaves_no_cache_directory(tiny_model_dir, tmp_path, capsys, make_input, message):
+    import re
+
+    from data_prep.__main__ import main
+
+    (tmp_path / "in").mkdir()
+    path = make_input(tmp_path / "in")
+    with pytest.raises(SystemExit) as exc:
+        main([f"model.path={tiny_model_dir}", f"data.path={path}", "labels=teacher_forced", "prep.progress=false",
+              f"output_root={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and re.search(message, err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("n_train,n_val,split", [(3, 0, "val split"), (0, 2, "train split")])
+def test_training_on_an_empty_split_leaves_no_run_directory(tiny_base, tiny_model_dir, tmp_path, n_train, n_val, split):
+    from core.config import UserInputError
+    from core.tiny import write_random_cache
+    from train.run import train
+
+    cache = write_random_cache(tmp_path / "cache", tiny_model_dir, n_train=n_train, n_val=n_val)
+    cfg = compose(["train.logger=none", "train.progress_bar=false", f"output_root={tmp_path}",
+                   f"train.cache_dir={cache}", "train.run_name=x", "train.max_steps=1"])
+    with pytest.raises(UserInputError, match=f"the {split} holds? 0 conversations"):
+        train(cfg, base=tiny_base)
+    assert not (tmp_path / "runs").exists()

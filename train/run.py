@@ -258,9 +258,9 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc
     check_cache_layers(module.head, datamodule)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks)  # its loggers and callbacks write lazily
+    run_dir.mkdir(parents=True, exist_ok=True)  # validated first, so a refused run leaves no directory
     save_config(cfg, run_dir)
-    trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks)
     for lg in trainer.loggers:  # rank-zero-only inside Lightning's loggers
         lg.log_hyperparams({**to_container(cfg), "world_size": trainer.world_size})
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -313,6 +313,11 @@ def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> C
 
     cache_dir = Path(cfg.train.cache_dir) if cfg.train.cache_dir else default_cache_dir(cfg)
     readers = {split: open_split(cache_dir, split) for split in ("train", "val")}
+    empty = [split for split, reader in readers.items() if len(reader) == 0]
+    if empty:
+        raise UserInputError(f"cache {cache_dir}: the {' and '.join(empty)} split{'s hold' if len(empty) > 1 else ' holds'} "
+                             "0 conversations; training needs both (prepare more data: raise "
+                             "data.max_conversations or data.heldout_fraction, or check data.path)")
     from core.base_model import check_same_base
 
     for split, reader in readers.items():
