@@ -274,8 +274,12 @@ def cli(argv: Sequence[str] | None = None, doc: str | None = None) -> DictConfig
     """Compose the config from ``sys.argv``.
 
     ``-h`` / ``--help`` / ``help`` prints :func:`usage` (with ``doc``, the entry point's
-    docstring) and exits with 0; a :class:`ConfigError` is printed and exits with 2.
+    docstring) and exits with 0; a :class:`ConfigError` is printed and exits with 2.  Known
+    irrelevant library output is silenced first (:func:`core.quiet.silence_known_noise`).
     """
+    from core.quiet import silence_known_noise
+
+    silence_known_noise()  # before the libraries that print it are imported
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in HELP_FLAGS for a in args):
         print(usage(doc))

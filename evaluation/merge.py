@@ -163,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry; returns the exit status (0 ok, 1 parity failure, 2 input error)."""
     import logging
 
+    from core.quiet import silence_known_noise
+
+    silence_known_noise()
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)

@@ -354,3 +354,41 @@ def test_training_on_an_empty_split_leaves_no_run_directory(tiny_base, tiny_mode
     with pytest.raises(UserInputError, match=f"the {split} holds? 0 conversations"):
         train(cfg, base=tiny_base)
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- item 13: known noise silenced in one place
+def test_known_library_noise_is_silenced_and_the_rest_still_prints():
+    """The exact messages a training run printed (Lightning's srun hint, its logger advertisement
+    and limit_val_batches echo, the pytree deprecation, DeepSpeed ZeRO's collective FutureWarnings,
+    the false sync_dist advice) are silenced by core.quiet; an unrelated warning still prints."""
+    import subprocess
+    import sys
+
+    script = r'''
+import warnings
+from core.quiet import silence_known_noise
+silence_known_noise()
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+import logging
+logging.basicConfig(level=logging.INFO)
+rank_zero_warn("The `srun` command is available on your system but is not used. HINT: ...")
+rank_zero_warn("It is recommended to use `self.log('val/loss', ..., sync_dist=True)` when logging on epoch level")
+rank_zero_warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...")
+warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning)
+warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning)
+rank_zero_info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]")
+rank_zero_info("`Trainer(limit_val_batches=1.0)` was configured so 100% of the batches will be used..")
+rank_zero_warn("a warning that matters")
+rank_zero_info("an info line that matters")
+import os, sys
+print("DS_ACCELERATOR=" + os.environ.get("DS_ACCELERATOR", ""), file=sys.stderr)
+'''
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "DRAFTHEADS_VERBOSE")}
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stderr
+    for noise in ("srun", "sync_dist", "LeafSpec", "all_gather_into_tensor", "reduce_scatter_tensor", "Tip:",
+                  "limit_val_batches"):
+        assert noise not in err, err
+    assert "a warning that matters" in err and "an info line that matters" in err
+    if NO_CUDA:
+        assert "DS_ACCELERATOR=cpu" in err  # DeepSpeed's "unable to detect" warning on import

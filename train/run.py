@@ -96,8 +96,11 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
         if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
             os.environ["WANDB_MODE"] = "offline"
         offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled")
-        loggers.append(WandbLogger(project=str(cfg.train.wandb_project), name=run_dir.name, save_dir=str(run_dir),
-                                   offline=offline, group=str(cfg.heads.type)))
+        wandb_logger = WandbLogger(project=str(cfg.train.wandb_project), name=run_dir.name, save_dir=str(run_dir),
+                                   offline=offline, group=str(cfg.heads.type))
+        # lightning 2.6.6 always passes anonymous=None, which wandb >= 0.2x answers with a deprecation warning
+        getattr(wandb_logger, "_wandb_init", {}).pop("anonymous", None)
+        loggers.append(wandb_logger)
     return loggers
 
 
