@@ -114,6 +114,23 @@ def check_accelerator_and_precision(cfg: DictConfig) -> None:
                           "train.precision=32-true (or auto, which picks it on CPUs)")
 
 
+def cpu_precision_warning(cfg: DictConfig) -> str | None:
+    """The warning :func:`train.run.train` prints for an explicit bf16 precision on a CPU run, else None.
+
+    bf16 autocast on CPUs without bf16 matrix units runs far slower than fp32 (``auto`` picks
+    ``32-true`` on CPUs); the run proceeds, since a CPU with bf16 units (AMX) may benefit.
+    """
+    import torch
+
+    accel = str(cfg.train.accelerator)
+    on_cpu = accel == "cpu" or (accel == "auto" and not torch.cuda.is_available())
+    precision = str(cfg.train.precision)
+    if on_cpu and precision.startswith("bf16"):
+        return (f"train.precision={precision} on a CPU: bf16 autocast is usually much slower than fp32 on CPUs "
+                "without bf16 matrix units; train.precision=32-true (or auto) is the fast choice here")
+    return None
+
+
 STRATEGIES = ("auto", "ddp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
 
 

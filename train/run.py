@@ -261,6 +261,12 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc
     check_cache_layers(module.head, datamodule)
+    from train.config_checks import cpu_precision_warning
+
+    if (note := cpu_precision_warning(cfg)) is not None:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(note)
     trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks)  # its loggers and callbacks write lazily
     run_dir.mkdir(parents=True, exist_ok=True)  # validated first, so a refused run leaves no directory
     save_config(cfg, run_dir)
