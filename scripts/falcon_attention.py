@@ -17,7 +17,7 @@ and reports their mass on
 per block slot j, averaged over positions.  Run on the same cache split as validation::
 
     .venv/bin/python scripts/falcon_attention.py outputs/runs/falcon/falcon-tf640/best \
-        outputs/runs/falcon/falcon_k1-tf640/best --cache outputs/cache/real_tf640 [--out attn.json]
+        outputs/runs/falcon_k1/falcon_k1-tf640/best --cache outputs/cache/real_tf640 [--out attn.json]
 
 Prints ``{checkpoint: {"layer<l>": {"slot<j>": {"newest", "self", "older", "uniform", "positions"}}}}``.
 
