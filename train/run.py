@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 import torch
 
 from core.io import make_tmp_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import heads
 from core.config import UserInputError, save_config, to_container
@@ -61,11 +61,19 @@ def runs_root(cfg: DictConfig) -> Path:
 
     The head variant is the selected ``heads=`` option (``cfg.choices.heads``: ``falcon``,
     ``falcon_noglance``, ``falcon_k1``, ...), so variants of one head type never share a run
-    directory; a config without ``choices`` (built by hand) falls back to ``heads.type``.
+    directory.  A config without ``choices``, or whose ``heads`` section was replaced by one of
+    another type than the option's YAML (built by hand, e.g. in tests), uses ``heads.type``.
     """
+    from core.config import CONFIG_DIR
+
     choices = cfg.get("choices") if isinstance(cfg, DictConfig) else None
-    variant = (choices.get("heads") if choices is not None else None) or cfg.heads.type
-    return Path(cfg.output_root) / "runs" / str(variant)
+    option = choices.get("heads") if choices is not None else None
+    variant = str(cfg.heads.type)
+    if option:
+        yaml_path = CONFIG_DIR / "heads" / f"{option}.yaml"
+        if yaml_path.is_file() and str(OmegaConf.load(yaml_path).get("type")) == variant:
+            variant = str(option)
+    return Path(cfg.output_root) / "runs" / variant
 
 
 def metrics_csv(run_dir: str | os.PathLike) -> Path:
