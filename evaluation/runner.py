@@ -558,7 +558,7 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
                                              "decoder": type(decoder).__name__}))
     else:
         for name, vcfg in variants:
-            dec, info = build_decoder(vcfg, model, eos_ids, device, identity)
+            dec, info = build_decoder(vcfg, model, eos_ids, device, identity=identity)
             methods.append((name, vcfg, dec, info))
     temperature = float(ev.get("temperature") or 0.0)
     if temperature > 0:
