@@ -137,17 +137,24 @@ class ShardedBatchSampler(Sampler[int]):
         mark_padding: True (validation) -> padding indices are ``B + i`` (the dataset flags them);
             False (training) -> padding repeats real batches from the start of the permutation,
             exactly like ``torch.utils.data.DistributedSampler(drop_last=False)``.
+        window: gradient-accumulation window A (``train.accumulate_grad_batches``): every rank's
+            epoch is padded to a multiple of A batches, so each epoch is a whole number of
+            optimizer steps and no optimizer step straddles an epoch end or a partial window
+            (a checkpoint at a step boundary then holds exactly the batches its weights hold).
 
     ``set_epoch(e)`` (called by Lightning every epoch) selects the permutation.  ``len()`` is
-    ``ceil(B / W)`` on every rank.
+    ``ceil(B / (W*A)) * A`` on every rank.
     """
 
     def __init__(self, num_batches: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
-                 seed: int = 0, mark_padding: bool = False) -> None:
+                 seed: int = 0, mark_padding: bool = False, window: int = 1) -> None:
         if num_batches < 1:
             raise ValueError("ShardedBatchSampler: the split has no batches")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} not in [0, {num_replicas})")
+        if int(window) < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        self.window = int(window)
         self.num_batches = num_batches
         self.num_replicas = num_replicas
         self.rank = rank
@@ -159,6 +166,11 @@ class ShardedBatchSampler(Sampler[int]):
         self._skip = 0     # batches to skip on the next __iter__ (after load_state_dict)
 
     def set_epoch(self, epoch: int) -> None:
+        """Select epoch ``epoch``'s permutation.  A pending resume skip (:meth:`load_state_dict`)
+        belongs to the epoch it was saved in and is dropped when another epoch starts (a checkpoint
+        written at an epoch's end resumes at the next epoch's first batch)."""
+        if int(epoch) != self.epoch:
+            self._skip = 0
         self.epoch = int(epoch)
 
     def state_dict(self) -> dict[str, int]:
@@ -171,7 +183,7 @@ class ShardedBatchSampler(Sampler[int]):
         self.consumed = self._skip = int(state["consumed"])
 
     def __len__(self) -> int:
-        return math.ceil(self.num_batches / self.num_replicas)
+        return math.ceil(self.num_batches / (self.num_replicas * self.window)) * self.window
 
     def global_order(self) -> list[int]:
         """All ranks' batch indices of this epoch in global order (before striding), padded."""
@@ -194,7 +206,20 @@ class ShardedBatchSampler(Sampler[int]):
 
 class ResumableDataLoader(DataLoader):
     """A DataLoader whose ``state_dict`` / ``load_state_dict`` are its sampler's, so Lightning
-    saves the position inside the epoch and restores it on resume (``train.resume``)."""
+    saves the position inside the epoch and restores it on resume (``train.resume``).
+
+    Works for any map-style dataset whose sampler has ``state_dict`` / ``load_state_dict`` /
+    ``consumed`` (:class:`ShardedBatchSampler`).  Unless a ``generator`` is passed, the loader gets
+    its own ``torch.Generator`` (seeded with ``seed``): creating an iterator draws a base seed from
+    the loader's generator, and without one that draw comes from the *global* torch generator, so
+    a resumed run (which creates its iterator after the checkpoint's RNG state is restored) would
+    draw different dropout / noise / glancing numbers than an uninterrupted one.
+    """
+
+    def __init__(self, *args, seed: int = 0, **kwargs) -> None:
+        if kwargs.get("generator") is None:
+            kwargs["generator"] = torch.Generator().manual_seed(int(seed))
+        super().__init__(*args, **kwargs)
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()
@@ -311,16 +336,21 @@ class CacheDataModule(pl.LightningDataModule):
             return 1, 0
         return int(trainer.world_size), int(trainer.global_rank)
 
-    def _loader(self, reader, batches, shuffle: bool, mark_padding: bool) -> DataLoader:
+    def _loader(self, reader, batches, shuffle: bool, mark_padding: bool, window: int = 1) -> DataLoader:
         world, rank = self._world()
-        sampler = ShardedBatchSampler(len(batches), world, rank, shuffle, self.seed, mark_padding)
+        sampler = ShardedBatchSampler(len(batches), world, rank, shuffle, self.seed, mark_padding, window=window)
         return ResumableDataLoader(
             BatchDataset(reader, batches, self.collate_fn), batch_size=None, sampler=sampler,
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0, seed=self.seed + rank,
         )
 
+    def _window(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        return int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
+
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_reader, self.train_batches, self.shuffle, mark_padding=False)
+        return self._loader(self.train_reader, self.train_batches, self.shuffle, mark_padding=False,
+                            window=self._window())
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_reader, self.val_batches, False, mark_padding=True)
