@@ -147,7 +147,15 @@ class DraftHeadModule(pl.LightningModule):
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         optimizer = torch.optim.AdamW(groups, lr=float(opt_cfg["lr"]), betas=tuple(float(b) for b in opt_cfg["betas"]),
                                       eps=float(opt_cfg["eps"]))
+        built = self.trainer.fit_loop._combined_loader is not None
         schedule = WarmupDecay(sch_cfg["name"], sch_cfg["warmup_steps"], self.total_steps(), sch_cfg["min_lr_ratio"])
+        if not built and self.trainer.fit_loop._combined_loader is not None:
+            # An epoch budget made Lightning build (and start iterating) the training loader to
+            # estimate the step count - before a resumed run's checkpoint restores the loop and
+            # sampler state.  Drop it: the fit loop rebuilds it after the restore, so the sampler
+            # position is applied (train.resume: exact resume under epoch budgets).
+            self.trainer.fit_loop._combined_loader = None
+            self.trainer.fit_loop._data_fetcher = None
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
@@ -181,6 +189,10 @@ class DraftHeadModule(pl.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # The logged row's step is the number of finished optimizer steps (Lightning's default is
+        # one less), the number checkpoint names carry (train.run_logs).
+        self.log("step", float(self.global_step))
+        self.log("epoch", float(self.current_epoch))
         now = time.perf_counter()
         if self._tick is not None and now > self._tick:
             dt = now - self._tick
@@ -218,16 +230,34 @@ class DraftHeadModule(pl.LightningModule):
                            f"validation_metrics return only {sorted(values)}")
         for name, value in values.items():
             self.log(f"val/{name}", value, prog_bar=name in ("loss", "sim_tau"), sync_dist=False)
+        self.log("step", float(self.global_step), sync_dist=False)
+        self.log("epoch", float(self.current_epoch), sync_dist=False)
 
     # -- resume state ------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Add the global RNG states (torch, numpy, python, cuda) for exact resume."""
+        """Add the global RNG states (torch, numpy, python, cuda) of *every* rank for exact resume.
+
+        ``rng_states`` is this (global rank 0's) state; with several ranks ``rng_states_per_rank``
+        holds each rank's (gathered here: Lightning calls this hook on every rank, rank 0 writes).
+        Ranks draw different amounts of randomness (feature noise, glancing masks of differently
+        shaped batches), so restoring rank 0's state everywhere would not resume exactly.
+        """
         from lightning.fabric.utilities.seed import _collect_rng_states
 
-        checkpoint["rng_states"] = _collect_rng_states(include_cuda=torch.cuda.is_available())
+        states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+        checkpoint["rng_states"] = states
+        trainer = self._trainer
+        if trainer is not None and trainer.world_size > 1 and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, states)  # in memory; the file holds no pickle
+            checkpoint["rng_states_per_rank"] = gathered
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         from lightning.fabric.utilities.seed import _set_rng_states
 
-        if "rng_states" in checkpoint:
+        per_rank = checkpoint.get("rng_states_per_rank")
+        trainer = self._trainer
+        if per_rank and trainer is not None and len(per_rank) == trainer.world_size:
+            _set_rng_states(per_rank[trainer.global_rank])
+        elif "rng_states" in checkpoint:
             _set_rng_states(checkpoint["rng_states"])

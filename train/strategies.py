@@ -416,12 +416,12 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 class DistributedInfo(Callback):
     """Logs the distributed set-up once per fit: strategy, ZeRO stage, world size, nodes, precision.
 
-    Sent to every logger as hyperparameters and as step-0 metrics (``distributed/*``), so W&B runs
+    Sent to every logger as hyperparameters and as metrics (``distributed/*``) at the step each launch starts from, so W&B runs
     of a sweep can be grouped and compared by them.  Tokens/s per device is logged by the module
     (``train/tokens_per_s``, not reduced across ranks).
     """
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:  # after a resume restored the loops
         strategy = trainer.strategy
         info = {
             "distributed/strategy": type(strategy).__name__,
@@ -434,4 +434,4 @@ class DistributedInfo(Callback):
         numeric = {k: v for k, v in info.items() if isinstance(v, int)}
         for logger in trainer.loggers:
             logger.log_hyperparams(info)
-            logger.log_metrics(numeric, step=0)
+            logger.log_metrics(numeric, step=int(trainer.global_step))  # the launch's first step
