@@ -8,8 +8,10 @@ runs live under ``runs/falcon_k1/``)::
 
     config.yaml               resolved config
     checkpoints/*.ckpt        Lightning resume checkpoints (safetensors, train.checkpoint_io)
-    csv/version_<n>/metrics.csv  CSVLogger metrics, one version per launch (train/loss, val/loss, val/sim_tau, tokens/s...)
-    wandb/                    WandbLogger files (offline unless an API key is configured)
+    launches/<n>.yaml         resolved config of each resumed launch (config.yaml stays the first's)
+    csv/metrics.csv           one metrics record for all launches (train/loss, val/loss, val/sim_tau, tokens/s...);
+                              ``step`` = finished optimizer steps, as in the checkpoint names
+    wandb/, wandb_run_id      the run's one W&B run (online when wandb finds credentials, see train.run_logs)
     best/, last/              exported heads: model.safetensors + config.json (heads.save)
 """
 from __future__ import annotations
@@ -31,6 +33,9 @@ from core.config import UserInputError, save_config, to_container
 from train.checkpoint_io import SafetensorsCheckpointIO
 from train.data import CacheDataModule
 from train.module import DraftHeadModule, head_monitor
+from train.resume import Preempted, check_resume_config, record_launch
+from train.run_logs import record_wandb_run_id
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 
 RUN_NAME_ENV = "DRAFTHEADS_RUN_NAME"
@@ -77,51 +82,46 @@ def runs_root(cfg: DictConfig) -> Path:
 
 
 def metrics_csv(run_dir: str | os.PathLike) -> Path:
-    """The CSV metrics file of the run's latest launch: ``<run_dir>/csv/version_<n>/metrics.csv``.
+    """The run's CSV metrics file ``<run_dir>/csv/metrics.csv`` (one record over all its launches).
 
     Raises:
         FileNotFoundError: the run has no CSV metrics.
     """
-    files = sorted(Path(run_dir).glob("csv/version_*/metrics.csv"), key=lambda f: int(f.parent.name.split("_")[1]))
-    if not files:
-        raise FileNotFoundError(f"run {run_dir} has no csv/version_*/metrics.csv")
-    return files[-1]
+    path = Path(run_dir) / "csv" / "metrics.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"run {run_dir} has no csv/metrics.csv")
+    return path
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
-    """Lightning loggers for ``train.logger``: ``csv`` -> CSVLogger; ``wandb`` -> CSVLogger + WandbLogger
-    (offline, ``WANDB_MODE=offline``, unless ``WANDB_API_KEY`` is set or ``WANDB_MODE`` says otherwise);
-    ``none`` -> no logger.  (:func:`train` logs the resolved config as hyperparameters.)"""
-    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+def build_loggers(cfg: DictConfig, run_dir: Path, resume_step: int | None = None) -> list:
+    """Lightning loggers for ``train.logger``: ``csv`` -> one continuous ``csv/metrics.csv`` for the
+    run (:class:`train.run_logs.ContinuingCSVLogger`; ``resume_step`` = the resumed checkpoint's
+    ``global_step``, rows an interrupted launch logged after it are dropped); ``wandb`` -> that plus
+    the run directory's one W&B run (:func:`train.run_logs.build_wandb_logger`: online when wandb
+    finds credentials, offline otherwise); ``none`` -> no logger.  (:func:`train` logs the resolved
+    config as hyperparameters.)"""
+    from train.run_logs import ContinuingCSVLogger, build_wandb_logger
 
     kind = str(cfg.train.logger)
     if kind == "none":
         return []
-    # version=None: each launch of the run (first start, every resume) gets csv/version_<n>/,
-    # so resuming never overwrites the metrics written before.
-    loggers: list = [CSVLogger(save_dir=str(run_dir), name="csv", version=None)]
+    loggers: list = [ContinuingCSVLogger(run_dir, resume_step=resume_step)]
     if kind == "wandb":
-        if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
-            os.environ["WANDB_MODE"] = "offline"
-        offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled")
-        wandb_logger = WandbLogger(project=str(cfg.train.wandb_project), name=run_dir.name, save_dir=str(run_dir),
-                                   offline=offline, group=str(cfg.heads.type))
-        # lightning 2.6.6 always passes anonymous=None, which wandb >= 0.2x answers with a deprecation warning
-        getattr(wandb_logger, "_wandb_init", {}).pop("anonymous", None)
-        loggers.append(wandb_logger)
+        loggers.append(build_wandb_logger(cfg, run_dir))
     return loggers
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None) -> tuple[pl.Trainer, Any]:
+def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
+                  resume_step: int | None = None) -> tuple[pl.Trainer, Any]:
     """The Trainer for ``cfg.train`` and its :class:`~lightning.pytorch.callbacks.ModelCheckpoint`.
 
     The checkpoint monitors the head class's ``monitor_metric`` / ``monitor_mode`` (``val/sim_tau``
-    max by default, ``val/loss`` min for heads without a simulated τ); checkpoints go through
+    max by default, ``val/loss`` min for heads without a simulated τ) and rewrites ``last.ckpt`` at
+    every validation (:class:`train.resume.RunCheckpoint`); SIGTERM / SIGUSR1 checkpoint at the
+    next optimizer-step boundary and stop (:class:`train.resume.Preemption`); checkpoints go through
     :class:`~train.checkpoint_io.SafetensorsCheckpointIO` (no pickle, atomic).
     Validation runs every ``train.val_every_n_steps`` optimizer steps, on every rank's shard.
     """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     t = cfg.train
     if int(t.max_steps) > 0 and int(t.max_steps) % int(t.val_every_n_steps):
         from lightning.pytorch.utilities import rank_zero_warn
@@ -130,14 +130,14 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None)
                        f"{t.val_every_n_steps}: the last {int(t.max_steps) % int(t.val_every_n_steps)} steps are "
                        "never validated, so best/ cannot be the final weights (last/ always is)")
     monitor, mode = head_monitor(heads.registry.head_class(str(cfg.heads.type)))
-    ckpt = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), monitor=monitor, mode=mode,
-                           save_top_k=int(t.save_top_k), save_last=True, filename="step{step:07d}",
-                           auto_insert_metric_name=False)
-    from train.resume import DataPosition
+    from train.resume import DataPosition, Preemption, RunCheckpoint
     from train.strategies import DistributedInfo, trainer_kwargs
 
-    cbs = [ckpt, DataPosition(), DistributedInfo(), *(callbacks or [])]
-    loggers = build_loggers(cfg, run_dir)
+    ckpt = RunCheckpoint(dirpath=str(run_dir / "checkpoints"), monitor=monitor, mode=mode,
+                         save_top_k=int(t.save_top_k), save_last=True, filename="step{step:07d}",
+                         auto_insert_metric_name=False)
+    cbs = [ckpt, DataPosition(), Preemption(ckpt), DistributedInfo(), *(callbacks or [])]
+    loggers = build_loggers(cfg, run_dir, resume_step)
     accumulate = int(t.accumulate_grad_batches)
     trainer = pl.Trainer(
         default_root_dir=str(run_dir),
@@ -237,15 +237,19 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         ckpt_path: a Lightning checkpoint to resume from (written by this module's CheckpointIO).
 
     Returns:
-        ``{"run_dir", "trainer", "module", "checkpoint_callback", "exports"}``.
+        ``{"run_dir", "trainer", "module", "checkpoint_callback", "exports", "preempted"}``;
+        ``preempted`` is the :class:`train.resume.Preempted` that stopped the run (its checkpoint
+        written, nothing exported) or None.
 
     Raises:
         FileNotFoundError: the cache (or one of its splits) does not exist.
         UserInputError: the cache was made with another base model (its recorded identity:
             GGUF SHA-256, architecture, layer count, vocab / hidden size; all but the sizes may
-            be overridden with ``train.allow_other_base=true``); a fresh run (no ``resume``) would overwrite an existing run directory; a
-            bad ``heads`` / ``train`` value (raised before the run directory is created); the
-            cache lacks a hidden-state layer the head reads.
+            be overridden with ``train.allow_other_base=true``); a fresh run (no ``resume``) would
+            overwrite an existing run directory; a resume would change a key that defines the run
+            (``train.resume.check_resume_config``, raised before anything is written); a bad
+            ``heads`` / ``train`` value (raised before the run directory is created); the cache
+            lacks a hidden-state layer the head reads.
     """
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     if base is None:
@@ -264,6 +268,8 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     run_dir = resume_dir or run_dir_for(cfg)
     if ckpt_path is None:
         refuse_existing_run(run_dir)
+    else:
+        check_resume_config(cfg, run_dir)
     try:  # a bad heads/train value is the user's to fix: one line, and no run directory left behind
         module = DraftHeadModule(cfg.heads, cfg.train, base_model=model)
     except ValueError as exc:
@@ -275,16 +281,31 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         from lightning.pytorch.utilities import rank_zero_warn
 
         rank_zero_warn(note)
-    trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks)  # its loggers and callbacks write lazily
+    resume_step = _checkpoint_step(ckpt_path) if ckpt_path else None
+    # its loggers and callbacks write lazily
+    trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks, resume_step=resume_step)
     run_dir.mkdir(parents=True, exist_ok=True)  # validated first, so a refused run leaves no directory
-    save_config(cfg, run_dir)
+    if resume_step is None or not (run_dir / "config.yaml").is_file():
+        save_config(cfg, run_dir)
+    elif rank_zero_only.rank == 0:
+        record_launch(cfg, run_dir)  # the run's config.yaml stays the first launch's
+    record_wandb_run_id(run_dir, trainer.loggers)
     for lg in trainer.loggers:  # rank-zero-only inside Lightning's loggers
         lg.log_hyperparams({**to_container(cfg), "world_size": trainer.world_size})
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except Preempted as stop:
+        return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
+                "exports": {}, "preempted": stop}
     head = consolidated_head(trainer, module)  # collective under ZeRO (gathers fp32 masters)
     exports = export_checkpoints(trainer, module, ckpt_cb, run_dir, identity_dict, head=head)
     return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
-            "exports": exports}
+            "exports": exports, "preempted": None}
+
+
+def _checkpoint_step(path: str | os.PathLike) -> int:
+    """``global_step`` recorded in a Lightning checkpoint written by this project (metadata only)."""
+    return int(SafetensorsCheckpointIO().load_checkpoint(path).get("global_step", 0))
 
 
 def check_cache_layers(head, datamodule) -> None:
@@ -359,6 +380,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from core.config import run_cli
 
     result = run_cli(train, argv, entry.__doc__)
+    stop = result.get("preempted")
+    if stop is not None:
+        print(f"pre-empted: {stop}")
+        raise SystemExit(128 + stop.signum)
     if result["exports"]:
         for name, path in result["exports"].items():
             print(f"{name}: {path}")

@@ -1,0 +1,165 @@
+"""A run's metric records across launches: one continuous CSV, one W&B run, W&B mode from credentials.
+
+A run directory holds one record however often it is resumed (issue 19 item 6):
+
+* ``<run_dir>/csv/metrics.csv`` (:class:`ContinuingCSVLogger`): a resumed launch first drops the
+  rows a killed launch logged after the checkpoint it resumes from (``step`` > the checkpoint's
+  ``global_step``), then appends.  ``step`` is the number of finished optimizer steps when the row
+  was logged, the same number as in the checkpoint names ``step<NNNNNNN>.ckpt`` (the training row
+  of optimizer step k, and a validation after it, carry ``step = k``).
+* W&B: one run id per run directory, kept in ``<run_dir>/wandb_run_id`` and resumed
+  (``resume="allow"``) by every later launch, Slurm requeues included.
+
+W&B mode (issue 19 item 5): a ``WANDB_MODE`` the user set is obeyed; otherwise the run is online
+when wandb itself finds credentials (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, the netrc
+entry ``wandb login`` writes for ``WANDB_BASE_URL``, or wandb's settings file) and offline only
+when it finds none (:func:`wandb_has_credentials`).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+from core.io import atomic_write_bytes
+
+RUN_ID_FILE = "wandb_run_id"
+DEFAULT_BASE_URL = "https://api.wandb.ai"
+
+
+def truncate_metrics(path: str | os.PathLike, keep_step: int) -> int:
+    """Rewrite the CSV ``path`` (atomically) without the rows whose ``step`` exceeds ``keep_step``.
+
+    Returns the number of rows dropped (0 when the file does not exist).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        fields = list(reader.fieldnames or [])
+        rows = list(reader)
+    keep = [r for r in rows if not r.get("step") or int(float(r["step"])) <= int(keep_step)]
+    if len(keep) != len(rows):
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(keep)
+        atomic_write_bytes(path, out.getvalue().encode())
+    return len(rows) - len(keep)
+
+
+class _ContinuingWriter(ExperimentWriter):
+    """Lightning's CSV writer, minus the deletion of an existing ``metrics.csv``: the file is cut
+    back to ``keep_step`` (None = a fresh run: removed) and its header columns are kept."""
+
+    def __init__(self, log_dir: str, keep_step: int | None) -> None:
+        self._keep_step = keep_step
+        super().__init__(log_dir)
+
+    def _check_log_dir_exists(self) -> None:
+        path = Path(self.metrics_file_path)
+        if not path.is_file():
+            return
+        if self._keep_step is None:
+            path.unlink()
+            return
+        truncate_metrics(path, self._keep_step)
+        with open(path, newline="") as f:
+            self.metrics_keys = sorted(csv.DictReader(f).fieldnames or [])
+
+
+class ContinuingCSVLogger(CSVLogger):
+    """``CSVLogger`` writing ``<save_dir>/csv/metrics.csv`` (and ``hparams.yaml``) for the whole run.
+
+    Args:
+        save_dir: the run directory.
+        resume_step: the ``global_step`` of the checkpoint this launch resumes from (rows logged
+            after it by an interrupted launch are dropped), or None for a fresh run.
+    """
+
+    def __init__(self, save_dir: str | os.PathLike, resume_step: int | None = None) -> None:
+        super().__init__(save_dir=str(save_dir), name="", version="csv")
+        self._resume_step = resume_step
+
+    @property
+    def experiment(self):
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _ContinuingWriter(log_dir=self.log_dir, keep_step=self._resume_step)
+        return self._experiment
+
+
+def wandb_has_credentials(base_url: str | None = None) -> bool:
+    """Whether wandb itself would find credentials for ``base_url`` (default ``$WANDB_BASE_URL`` or
+    https://api.wandb.ai): ``WANDB_API_KEY`` / ``WANDB_IDENTITY_TOKEN_FILE``, the netrc file
+    (``$NETRC`` or ``~/.netrc``, written by ``wandb login``), or an ``api_key`` in wandb's settings.
+
+    Uses wandb's own look-up (``wandb.sdk.lib.wbauth``) without changing its session; a netrc
+    entry with a malformed key counts as no credentials.
+    """
+    from wandb.sdk.lib.wbauth import authenticate
+    from wandb.sdk.lib.wbauth.host_url import HostUrl
+
+    host = HostUrl(base_url or os.environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL)
+    try:
+        return authenticate._use_system_auth(host=host, source="draftheads", update_session=False) is not None
+    except Exception:  # an unreadable / malformed credential is not a usable one
+        return False
+
+
+def wandb_mode() -> str:
+    """``$WANDB_MODE`` when set; else ``online`` with credentials (:func:`wandb_has_credentials`), ``offline`` without."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode:
+        return mode
+    return "online" if wandb_has_credentials() else "offline"
+
+
+def wandb_run_id(run_dir: str | os.PathLike) -> str:
+    """The run directory's W&B run id: the one recorded in ``<run_dir>/wandb_run_id``, else a W&B
+    sweep agent's ``$WANDB_RUN_ID``, else a new random id (recorded by :func:`record_wandb_run_id`
+    once the run directory exists)."""
+    path = Path(run_dir) / RUN_ID_FILE
+    if path.is_file():
+        value = path.read_text().strip()
+        if value:
+            return value
+    return os.environ.get("WANDB_RUN_ID") or secrets.token_hex(4)
+
+
+def record_wandb_run_id(run_dir: str | os.PathLike, loggers: list) -> None:
+    """Write the W&B logger's run id to ``<run_dir>/wandb_run_id`` (global rank 0, first launch only),
+    so every later launch of the run - resume, Slurm requeue - continues the same W&B run."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    from lightning.pytorch.loggers import WandbLogger
+
+    path = Path(run_dir) / RUN_ID_FILE
+    if rank_zero_only.rank != 0 or path.is_file():
+        return
+    for lg in loggers:
+        run_id = getattr(lg, "_wandb_init", {}).get("id") if isinstance(lg, WandbLogger) else None
+        if run_id:
+            atomic_write_bytes(path, (str(run_id) + "\n").encode())
+            return
+
+
+def build_wandb_logger(cfg: Any, run_dir: Path):
+    """``WandbLogger`` for the run directory's one W&B run (resumed when it exists), in :func:`wandb_mode`."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    mode = wandb_mode()
+    offline = mode in ("offline", "dryrun", "disabled")
+    if offline:
+        os.environ.setdefault("WANDB_MODE", mode)
+    logger = WandbLogger(project=str(cfg.train.wandb_project), name=run_dir.name, save_dir=str(run_dir),
+                         offline=offline, group=str(cfg.heads.type), id=wandb_run_id(run_dir), resume="allow")
+    # lightning 2.6.6 always passes anonymous=None, which wandb >= 0.2x answers with a deprecation warning
+    getattr(logger, "_wandb_init", {}).pop("anonymous", None)
+    return logger
