@@ -1,0 +1,91 @@
+"""One rank of a multi-process resume run with a real head, for tests/test_resume_distributed.py.
+
+Run as a subprocess per rank (RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set by
+the caller, like torchrun)::
+
+    python tests/_resume_worker.py --model-dir D --plan '[[overrides...], ...]' [--stop JSON] common overrides...
+
+Each plan entry is one ``train.run.train`` call (``core.config.compose`` of the common and the
+entry's overrides) in these processes.  ``--stop`` applies to the last entry:
+``{"kind": "kill", "step": N}`` hard-exits every rank (``os._exit(17)``, like SIGKILL) before the
+batch after optimizer step N; ``{"kind": "signal", "step": N, "signal": "SIGTERM", "ranks": [0]}``
+sends the signal to the listed ranks' own process inside optimizer step N (before the update); a
+pre-empted run exits 128 + signal number, as ``python -m train`` does.
+
+Also registers ``adadecode_frozen``: AdaDecode plus one frozen parameter (issue 11, item 5).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import heads  # noqa: E402
+from heads.adadecode import AdaDecodeHead  # noqa: E402
+
+
+@heads.register
+class FrozenParamAdaDecode(AdaDecodeHead):
+    """AdaDecode with an extra frozen (``requires_grad=False``) parameter inside a layer's lightweight
+    head, so ZeRO-3 gathers it with that layer's trainable weight in every forward."""
+
+    head_type = "adadecode_frozen"
+
+    def __init__(self, cfg, base_config):
+        super().__init__(cfg, base_config)
+        first = next(iter(self.transforms.values()))
+        first.register_parameter("frozen_scale", torch.nn.Parameter(torch.linspace(0.5, 1.5, 8), requires_grad=False))
+
+
+def stop_callback(spec: dict):
+    from lightning.pytorch.callbacks import Callback
+
+    step = int(spec["step"])
+
+    class Stop(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if spec["kind"] == "kill" and trainer.global_step >= step \
+                    and batch_idx % trainer.accumulate_grad_batches == int(spec.get("micro", 0)):
+                trainer.strategy.barrier("kill")
+                os._exit(17)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if spec["kind"] == "signal" and trainer.global_step + 1 == step \
+                    and trainer.global_rank in spec.get("ranks", [0]):
+                os.kill(os.getpid(), getattr(signal, spec["signal"]))
+
+    return Stop()
+
+
+def main(argv=None) -> None:
+    from core.base_model import load_base_model
+    from core.config import compose
+    from train.run import train
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--plan", required=True)
+    p.add_argument("--stop", default=None)
+    args, common = p.parse_known_args(argv)
+    plan = json.loads(args.plan)
+    base = load_base_model({"path": args.model_dir, "dtype": "float32", "attn_implementation": "eager"})
+    for i, overrides in enumerate(plan):
+        cfg = compose(["train.logger=csv", "train.progress_bar=false", "train.sanity_val_steps=0",
+                       "train.accelerator=cpu", "train.log_every_n_steps=1", *common, *overrides])
+        callbacks = [stop_callback(json.loads(args.stop))] if args.stop and i == len(plan) - 1 else []
+        result = train(cfg, base=base, callbacks=callbacks)
+        if result["preempted"] is not None:
+            sys.exit(128 + result["preempted"].signum)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Stopped, resumed, equal to uninterrupted: two processes (DDP, DeepSpeed ZeRO-3 on CPU/gloo).
+
+Each case is one subprocess pair (``tests/_resume_worker.py``) that trains the uninterrupted run
+and then the stopped one, and a second pair that resumes it with ``resume=auto``.  Compared
+bitwise: the exported weights, the optimizer state (DDP: the checkpoint's; ZeRO: every rank's
+shard), and the logged rows.
+
+Default cases (representative): Falcon under DDP with its default randomness (per-rank RNG
+states), killed mid-run; AdaDecode with an extra frozen parameter under ZeRO-3 (the frozen
+parameter gather used to crash the checkpoint), SIGTERM to rank 0 only, inside an optimizer step.  The rest of the matrix runs with ``pytest -m resume_matrix``.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from test_distributed import launch  # noqa: E402
+
+WORKER = ROOT / "tests" / "_resume_worker.py"
+LAYERS = [1, 2, 3]
+HEAD_ARGS = {
+    "ctc": ["heads=ctc", "heads.attn_implementation=eager"],
+    "falcon": ["heads=falcon"],
+    "adadecode": ["heads=adadecode", f"heads.layers={LAYERS}"],
+    "adadecode_frozen": ["heads=adadecode", f"heads.layers={LAYERS}", "heads.type=adadecode_frozen"],
+}
+
+
+@pytest.fixture(scope="module")
+def cache(tiny_model_dir, tmp_path_factory):
+    from core.tiny import write_random_cache
+
+    root = tmp_path_factory.mktemp("resume_dist")
+    return write_random_cache(root / "cache", tiny_model_dir, n_train=20, n_val=4, layers=LAYERS,
+                              length_range=(6, 16), shard_size=8)
+
+
+def _launch(worker_args, work, allow_rc=(0,)):
+    import test_distributed
+
+    original = test_distributed.WORKER
+    test_distributed.WORKER = WORKER
+    try:
+        return launch(2, worker_args, work, allow_rc=allow_rc)
+    finally:
+        test_distributed.WORKER = original
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    drop = ("train/tokens_per_s", "train/assistant_tokens_per_s")
+    return [{k: v for k, v in r.items() if k not in drop and v != ""} for r in rows
+            if not any(k.startswith("distributed/") and v for k, v in r.items())]
+
+
+def _optimizer_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
+    from train.checkpoint_io import SafetensorsCheckpointIO, loads
+
+    ckpt_path = run_dir / "checkpoints" / "last.ckpt"
+    ckpt = SafetensorsCheckpointIO().load_checkpoint(ckpt_path)
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(obj, where):
+        if isinstance(obj, torch.Tensor):
+            out[where] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{where}.{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{where}[{i}]")
+        elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+            out[where] = torch.tensor(obj)
+
+    if "zero" in ckpt:
+        for shard in sorted((ckpt_path.parent / ckpt["zero"]["shards"]).glob("rank-*.safetensors")):
+            walk(loads(shard.read_bytes())["optimizer"], shard.name)
+    else:
+        walk(ckpt["optimizer_states"], "optimizer")
+    out["global_step"] = torch.tensor(ckpt["global_step"])
+    return out
+
+
+CASES = {
+    # name: (head, strategy overrides, budget overrides, stop spec, expected exit code of the stopped launch)
+    "ddp-falcon-kill": ("falcon", ["strategy=ddp"], ["train.max_steps=6", "train.val_every_n_steps=2"],
+                        {"kind": "kill", "step": 3}, 17),
+    "zero3-adadecode-frozen-sigterm": (
+        "adadecode_frozen", ["strategy=deepspeed_zero3"], ["train.max_steps=6", "train.val_every_n_steps=2"],
+        {"kind": "signal", "step": 3, "signal": "SIGTERM", "ranks": [0]}, 143),
+}
+MATRIX = {
+    "ddp-ctc-epochs-acc2-midwindow": ("ctc", ["strategy=ddp"],
+                                      ["train.max_steps=-1", "train.max_epochs=2", "train.accumulate_grad_batches=2",
+                                       "train.val_every_n_steps=1"], {"kind": "kill", "step": 2, "micro": 1}, 17),
+    "zero3-falcon-sigusr1-both-ranks": ("falcon", ["strategy=deepspeed_zero3"],
+                                        ["train.max_steps=6", "train.val_every_n_steps=3"],
+                                        {"kind": "signal", "step": 4, "signal": "SIGUSR1", "ranks": [0, 1]}, 138),
+    "zero3-adadecode-epochs-epoch-end": ("adadecode", ["strategy=deepspeed_zero3"],
+                                         ["train.max_steps=-1", "train.max_epochs=3", "train.val_every_n_steps=3"],
+                                         {"kind": "kill", "step": 3}, 17),
+}
+
+
+def _case(name, spec, cache, tiny_model_dir, tmp_path):
+    head, strategy, budget, stop, code = spec
+    common = ["--model-dir", str(tiny_model_dir), f"output_root={tmp_path / 'out'}", f"train.cache_dir={cache}",
+              "train.batch_size=2", "train.scheduler.warmup_steps=1", "train.optimizer.lr=0.01",
+              *HEAD_ARGS[head], *strategy, *budget]
+    plan = [["train.run_name=full"], ["train.run_name=part"]]
+    _launch([*common, "--plan", json.dumps(plan), "--stop", json.dumps(stop)], tmp_path, allow_rc=(code,))
+    runs = tmp_path / "out" / "runs" / head
+    assert not (runs / "part" / "last").exists() and (runs / "part" / "checkpoints" / "last.ckpt").is_file()
+    _launch([*common, "--plan", json.dumps([["train.run_name=part", "resume=auto"]])], tmp_path)
+    full, part = runs / "full", runs / "part"
+    wa, wb = load_file(full / "last" / "model.safetensors"), load_file(part / "last" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"{name}: weight {k} differs by {(wa[k] - wb[k]).abs().max():.3g}"
+    oa, ob = _optimizer_tensors(full), _optimizer_tensors(part)
+    assert oa.keys() == ob.keys()
+    for k in oa:
+        assert torch.equal(oa[k], ob[k]), f"{name}: optimizer state {k} differs"
+    assert _rows(full) == _rows(part)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_process_stop_and_resume_is_exact(name, cache, tiny_model_dir, tmp_path):
+    _case(name, CASES[name], cache, tiny_model_dir, tmp_path)
+
+
+@pytest.mark.resume_matrix
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_two_process_resume_matrix(name, cache, tiny_model_dir, tmp_path):
+    _case(name, MATRIX[name], cache, tiny_model_dir, tmp_path)

@@ -1,0 +1,180 @@
+"""Stopped anywhere, resumed, equal to the uninterrupted run (issue 11), single process, every head.
+
+Each case trains a head with its default randomness (Falcon feature noise + CSGD glancing) on a
+tiny random cache twice: uninterrupted, and stopped then resumed with ``resume=auto``.  Both must
+end with bitwise-equal weights (``last/model.safetensors``) and optimizer state (the final
+``last.ckpt``), and with the same logged rows (``csv/metrics.csv``: no step twice, none shifted).
+
+Stops: a kill (an exception out of ``Trainer.fit``, nothing saved after it) after a
+non-improving validation, mid-window under gradient accumulation, at an epoch end; a SIGTERM /
+SIGUSR1 delivered during the optimizer step (the run must checkpoint that whole step, stop
+before the next one and, for SIGUSR1 in a Slurm job, requeue).  Budgets: steps and epochs.
+Multi-process (DDP / ZeRO-3) cases are in tests/test_resume_distributed.py.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core.config import compose
+from train.checkpoint_io import SafetensorsCheckpointIO
+
+LAYERS = [1, 2, 3]
+HEAD_ARGS = {
+    "ctc": ["heads=ctc", "heads.attn_implementation=eager"],
+    "falcon": ["heads=falcon"],
+    "adadecode": ["heads=adadecode", f"heads.layers={LAYERS}"],
+}
+
+
+class Kill(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def caches(tiny_model_dir, tmp_path_factory):
+    """Two caches: 16 training conversations (4 batches of 4) and 20 (5 batches: odd, so an epoch
+    is not a whole number of accumulation windows unless the sampler pads it)."""
+    from core.tiny import write_random_cache
+
+    root = tmp_path_factory.mktemp("resume_matrix")
+    return {n: write_random_cache(root / f"cache{n}", tiny_model_dir, n_train=n, n_val=4, layers=LAYERS,
+                                  length_range=(6, 16), shard_size=8) for n in (16, 20)}
+
+
+def _cfg(tmp, cache, head, name, extra=()):
+    return compose([*HEAD_ARGS[head], "train.logger=csv", "train.progress_bar=false", "train.sanity_val_steps=0",
+                    f"output_root={tmp}", f"train.cache_dir={cache}", f"train.run_name={name}",
+                    "train.log_every_n_steps=1", "train.accelerator=cpu", "train.devices=1", "strategy=auto",
+                    "train.batch_size=4", "train.scheduler.warmup_steps=1", "train.optimizer.lr=0.01", *extra])
+
+
+def _train(tmp, cache, base, head, name, extra=(), callbacks=(), resume=False):
+    from train.run import train
+
+    return train(_cfg(tmp, cache, head, name, [*extra, *(["resume=auto"] if resume else [])]), base=base,
+                 callbacks=list(callbacks))
+
+
+def kill_at(step: int, micro: int = 0):
+    """Raise :class:`Kill` before micro-batch ``micro`` of the window after optimizer step ``step``."""
+    from lightning.pytorch.callbacks import Callback
+
+    class KillAt(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step >= step and batch_idx % trainer.accumulate_grad_batches == micro:
+                raise Kill(f"killed at step {trainer.global_step}, batch {batch_idx}")
+
+    return KillAt()
+
+
+def signal_during_step(step: int, signum: int):
+    """Deliver ``signum`` to this process inside optimizer step ``step`` (1-based), between the
+    update of the first parameter and the rest (an optimizer pre-hook on the second step call)."""
+    from lightning.pytorch.callbacks import Callback
+
+    class SignalInStep(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step + 1 == step:
+                os.kill(os.getpid(), signum)
+
+    return SignalInStep()
+
+
+def _final_state(run_dir: Path) -> tuple[dict, dict]:
+    ckpt = SafetensorsCheckpointIO().load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    return load_file(run_dir / "last" / "model.safetensors"), ckpt
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    from train.run import metrics_csv
+
+    rows = list(csv.DictReader(open(metrics_csv(run_dir))))
+    drop = ("train/tokens_per_s", "train/assistant_tokens_per_s")  # wall-clock
+    # distributed/* rows record each launch (at the step it starts from), not training
+    return [{k: v for k, v in r.items() if k not in drop and v != ""} for r in rows
+            if not any(k.startswith("distributed/") and v for k, v in r.items())]
+
+
+def assert_same_run(full: Path, resumed: Path) -> None:
+    wa, ca = _final_state(full)
+    wb, cb = _final_state(resumed)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"weight {k} differs by {(wa[k] - wb[k]).abs().max():.3g}"
+    assert ca["global_step"] == cb["global_step"]
+    sa, sb = ca["optimizer_states"][0]["state"], cb["optimizer_states"][0]["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for name in sa[i]:
+            assert torch.equal(torch.as_tensor(sa[i][name]), torch.as_tensor(sb[i][name])), f"optimizer {i}.{name}"
+    ra, rb = _rows(full), _rows(resumed)
+    steps = [(r["step"], "val" if any(k.startswith("val/") for k in r) else "train") for r in rb]
+    assert len(steps) == len(set(steps)), f"a step logged twice: {steps}"
+    assert ra == rb
+
+
+CASES = {
+    # name: (head, cache, budget + cadence overrides, stop callback factory, resume step expected)
+    "ctc-steps-after-nonimproving-val": ("ctc", 16, ["train.max_steps=6", "train.val_every_n_steps=2"],
+                                         lambda: kill_at(4), 4),
+    "falcon-steps-noise-csgd": ("falcon", 16, ["train.max_steps=6", "train.val_every_n_steps=2"],
+                                lambda: kill_at(4), 4),
+    "adadecode-epochs-acc2-midwindow": ("adadecode", 20, ["train.max_steps=-1", "train.max_epochs=2",
+                                                          "train.accumulate_grad_batches=2",
+                                                          "train.val_every_n_steps=2"],
+                                        lambda: kill_at(4, micro=1), 4),
+    "falcon-epochs-epoch-end": ("falcon", 16, ["train.max_steps=-1", "train.max_epochs=3", "train.val_every_n_steps=4"],
+                                lambda: kill_at(4), 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_killed_and_resumed_equals_uninterrupted(case, caches, tiny_base, tmp_path):
+    head, n, extra, stop, expect_step = CASES[case]
+    cache = caches[n]
+    full = _train(tmp_path, cache, tiny_base, head, "full", extra)["run_dir"]
+    with pytest.raises(Kill):
+        _train(tmp_path, cache, tiny_base, head, "part", extra, callbacks=[stop()])
+    part = full.parent / "part"
+    saved = SafetensorsCheckpointIO().load_checkpoint(part / "checkpoints" / "last.ckpt")
+    assert saved["global_step"] == expect_step  # last.ckpt is the newest save point, not the best one
+    _train(tmp_path, cache, tiny_base, head, "part", extra, resume=True)
+    assert_same_run(full, part)
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
+def test_signal_during_optimizer_step_checkpoints_whole_step_and_stops(signame, caches, tiny_base, tmp_path,
+                                                                        monkeypatch):
+    """Falcon (noise + CSGD), accumulation 2, step budget; the signal arrives inside step 3.  The
+    run checkpoints after step 3 (a validation is due only at 4), stops before step 4 and never
+    writes again; for SIGUSR1 inside a Slurm job rank 0 requeues with ``scontrol requeue``."""
+    signum = getattr(signal, signame)
+    extra = ["train.max_steps=6", "train.val_every_n_steps=2", "train.accumulate_grad_batches=2"]
+    cache = caches[16]
+    full = _train(tmp_path, cache, tiny_base, "falcon", "full", extra)["run_dir"]
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.log\n")
+    (stub / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stub}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    result = _train(tmp_path, cache, tiny_base, "falcon", "part", extra,
+                    callbacks=[signal_during_step(3, signum)])
+    assert result["preempted"] is not None and result["preempted"].step == 3 and not result["exports"]
+    part = result["run_dir"]
+    saved = SafetensorsCheckpointIO().load_checkpoint(part / "checkpoints" / "last.ckpt")
+    assert saved["global_step"] == 3
+    assert saved["optimizer_states"][0]["state"][0]["step"] == 3  # every parameter's counter: one whole step
+    assert {int(s["step"]) for s in saved["optimizer_states"][0]["state"].values()} == {3}
+    requeued = (tmp_path / "scontrol.log").read_text().split() if (tmp_path / "scontrol.log").exists() else []
+    assert requeued == (["requeue", "4242"] if signame == "SIGUSR1" else [])
+    monkeypatch.delenv("SLURM_JOB_ID")
+    _train(tmp_path, cache, tiny_base, "falcon", "part", extra, resume=True)
+    assert_same_run(full, part)

@@ -1,0 +1,155 @@
+"""Records that stay true across resume (issue 19 items 1, 5, 6) and the data-loader mechanisms
+of exact resume (issue 11): config changes refused before anything is written, W&B mode from
+wandb's own credential look-up (a fake netrc), one W&B run id per run directory, one metrics CSV
+whose steps match the checkpoint names, and the sampler / loader behaviour resume relies on."""
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.config import compose
+
+
+# --------------------------------------------------------------------------------------------
+# Sampler and loader.
+# --------------------------------------------------------------------------------------------
+def test_loader_iterator_leaves_global_rng_alone():
+    """Creating the training iterator must not draw from the global torch RNG: a resumed run
+    creates it right after restoring the checkpoint's RNG state."""
+    from train.data import ResumableDataLoader, ShardedBatchSampler
+
+    dl = ResumableDataLoader(list(range(6)), batch_size=None, sampler=ShardedBatchSampler(6, shuffle=True, seed=1))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    next(iter(dl))
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_epoch_is_whole_accumulation_windows_and_skip_belongs_to_its_epoch():
+    from train.data import ShardedBatchSampler
+
+    s = ShardedBatchSampler(5, num_replicas=1, rank=0, shuffle=True, seed=3, window=2)
+    assert len(s) == 6 and sorted(set(s.global_order())) == list(range(5))  # padded by a repeat
+    s2 = ShardedBatchSampler(5, num_replicas=2, rank=1, shuffle=True, seed=3, window=2)
+    assert len(s2) == 4 and len(s2.global_order()) == 8
+    # a checkpoint at the end of epoch 0 (all consumed) resumes at epoch 1's first batch
+    t = ShardedBatchSampler(5, shuffle=True, seed=3)
+    t.load_state_dict({"epoch": 0, "consumed": 5})
+    t.set_epoch(1)
+    u = ShardedBatchSampler(5, shuffle=True, seed=3)
+    u.set_epoch(1)
+    assert list(t) == list(u) and len(list(t)) == 5
+    # mid-epoch: Lightning calls set_epoch with the same epoch, the skip stays
+    t.load_state_dict({"epoch": 1, "consumed": 2})
+    t.set_epoch(1)
+    assert list(t) == list(u)[2:]
+
+
+# --------------------------------------------------------------------------------------------
+# W&B mode and run id.
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_wandb_env(monkeypatch, tmp_path):
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / ".config" / "wandb"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    (tmp_path / "home").mkdir()
+    return tmp_path / "home" / ".netrc"
+
+
+def _wandb_logger(tmp_path):
+    from train.run import build_loggers
+
+    cfg = compose(["train.logger=wandb", f"output_root={tmp_path}"])
+    loggers = build_loggers(cfg, tmp_path / "run")
+    return [lg for lg in loggers if type(lg).__name__ == "WandbLogger"][0]
+
+
+def test_wandb_online_with_netrc_credentials(no_wandb_env, tmp_path):
+    """``wandb login`` stores the key in ~/.netrc, not in WANDB_API_KEY: the run must go online."""
+    no_wandb_env.write_text("machine api.wandb.ai\n  login user\n  password " + "a" * 40 + "\n")
+    no_wandb_env.chmod(0o600)
+    logger = _wandb_logger(tmp_path)
+    assert logger._offline is False and os.environ.get("WANDB_MODE") != "offline"
+
+
+def test_wandb_offline_without_credentials_and_user_mode_wins(no_wandb_env, tmp_path, monkeypatch):
+    assert _wandb_logger(tmp_path)._offline is True
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    no_wandb_env.write_text("machine api.wandb.ai\n  login user\n  password " + "a" * 40 + "\n")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert _wandb_logger(tmp_path)._offline is True
+
+
+def test_one_wandb_run_id_per_run_directory(no_wandb_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    first, second = _wandb_logger(tmp_path), _wandb_logger(tmp_path)
+    assert first._wandb_init["id"] and first._wandb_init["id"] == second._wandb_init["id"]
+    assert first._wandb_init["resume"] == "allow"
+    assert (tmp_path / "run" / "wandb_run_id").read_text().strip() == first._wandb_init["id"]
+
+
+# --------------------------------------------------------------------------------------------
+# Resume refuses a changed config; one metrics record.
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ctc_run(tiny_model_dir, tmp_path_factory):
+    from core.tiny import write_random_cache
+    from train.run import main
+
+    root = tmp_path_factory.mktemp("records")
+    cache = write_random_cache(root / "cache", tiny_model_dir, n_train=8, n_val=4, length_range=(6, 14))
+    args = [f"model.path={tiny_model_dir}", "model.dtype=float32", "heads=ctc", "heads.attn_implementation=eager",
+            "train.logger=csv", "train.progress_bar=false", "train.sanity_val_steps=0", f"output_root={root}",
+            f"train.cache_dir={cache}", "train.run_name=r", "train.accelerator=cpu", "train.devices=1",
+            "train.batch_size=4", "train.max_steps=4", "train.val_every_n_steps=2", "train.log_every_n_steps=1"]
+    main(args)
+    return root / "runs" / "ctc" / "r", args
+
+
+def _snapshot(run_dir: Path) -> dict[str, float]:
+    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+
+
+@pytest.mark.parametrize("change", [["heads.num_layers=2"], ["train.cache_dir=/elsewhere"],
+                                    ["train.optimizer.lr=0.5", "seed=7"]])
+def test_resume_with_changed_config_is_refused_before_writing(ctc_run, change, capsys):
+    from train.run import main
+
+    run_dir, args = ctc_run
+    before = _snapshot(run_dir)
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "resume=auto", *change])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for key in (c.split("=")[0] for c in change):
+        assert key in err, err
+    assert _snapshot(run_dir) == before  # config.yaml untouched, no csv version, nothing new
+
+
+def test_metrics_one_record_steps_match_checkpoint_names(ctc_run):
+    run_dir, args = ctc_run
+    assert not list(run_dir.glob("csv/version_*"))
+    rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    val_steps = [int(r["step"]) for r in rows if r.get("val/loss")]
+    train_steps = [int(r["step"]) for r in rows if r.get("train/loss")]
+    assert train_steps == [1, 2, 3, 4] and val_steps == [2, 4]
+    named = sorted(int(p.stem[4:]) for p in run_dir.glob("checkpoints/step*.ckpt"))
+    assert named and set(named) <= set(val_steps)
+
+
+def test_resume_may_change_devices_and_logging_and_records_the_launch(ctc_run):
+    from train.run import main
+
+    run_dir, args = ctc_run
+    config = (run_dir / "config.yaml").read_text()
+    main([*args, "resume=auto", "train.log_every_n_steps=2", "train.progress_bar=false"])
+    assert (run_dir / "config.yaml").read_text() == config
+    launches = sorted((run_dir / "launches").glob("*.yaml"))
+    assert launches and "log_every_n_steps: 2" in launches[-1].read_text()
