@@ -6,8 +6,8 @@
 # train.num_nodes is set from SLURM_JOB_NUM_NODES.  MASTER_ADDR is the first host of the node list.
 #
 # Resume: the run directory is <output_root>/runs/<head>/<job name>-<job id> (the job id survives
-# `--requeue`), and resume=auto continues from its newest checkpoint (checkpoints/last.ckpt, or
-# Lightning's hpc_ckpt_*.ckpt written on SIGUSR1 before the time limit).
+# `--requeue`), and resume=auto continues from its newest checkpoint (checkpoints/last.ckpt; on
+# SIGUSR1/SIGTERM the run writes it at the next optimizer-step boundary and stops, train.resume.Preemption).
 #
 # Environment knobs: DRAFTHEADS_REPO (checkout; default: the sbatch submit directory),
 # PYTHON (default: $DRAFTHEADS_REPO/.venv/bin/python), RUN_NAME, MASTER_PORT.

@@ -16,7 +16,7 @@
 #SBATCH --mem=0                   # all of each node's memory
 #SBATCH --time=24:00:00
 #SBATCH --requeue                 # preempted or failed node: Slurm requeues, resume=auto continues
-#SBATCH --signal=SIGUSR1@180      # Lightning saves hpc_ckpt_*.ckpt and requeues 3 min before the limit
+#SBATCH --signal=SIGUSR1@180      # 3 min before the limit: checkpoint at the next step boundary, stop, requeue
 #SBATCH --open-mode=append        # a requeued job appends to the same log
 #SBATCH --output=%x-%j.out
 HEAD=adadecode

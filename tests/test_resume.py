@@ -49,8 +49,8 @@ def _run(work, cache, tiny_model_dir, tiny_base, name, extra=(), crash_at=None):
 
     original = run_mod.build_trainer
 
-    def build_with_crash(cfg, run_dir, callbacks=None):
-        return original(cfg, run_dir, [*(callbacks or []), CrashAfter()])
+    def build_with_crash(cfg, run_dir, callbacks=None, **kwargs):
+        return original(cfg, run_dir, [*(callbacks or []), CrashAfter()], **kwargs)
 
     run_mod.build_trainer = build_with_crash
     try:

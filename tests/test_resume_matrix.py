@@ -29,6 +29,7 @@ LAYERS = [1, 2, 3]
 HEAD_ARGS = {
     "ctc": ["heads=ctc", "heads.attn_implementation=eager"],
     "falcon": ["heads=falcon"],
+    "falcon_k1": ["heads=falcon_k1"],
     "adadecode": ["heads=adadecode", f"heads.layers={LAYERS}"],
 }
 
@@ -135,9 +136,31 @@ CASES = {
 }
 
 
+MATRIX = {  # pytest -m resume_matrix
+    "falcon-steps-acc2-midwindow": ("falcon", 20, ["train.max_steps=6", "train.val_every_n_steps=2",
+                                                   "train.accumulate_grad_batches=2"], lambda: kill_at(3, micro=1), 2),
+    "ctc-epochs-acc2-epoch-end": ("ctc", 16, ["train.max_steps=-1", "train.max_epochs=3", "train.val_every_n_steps=2",
+                                              "train.accumulate_grad_batches=2"], lambda: kill_at(2), 2),
+    "adadecode-steps-after-nonimproving-val": ("adadecode", 16, ["train.max_steps=6", "train.val_every_n_steps=1"],
+                                               lambda: kill_at(5), 5),
+    "falcon_k1-epochs-midepoch": ("falcon_k1", 20, ["train.max_steps=-1", "train.max_epochs=2",
+                                                    "train.val_every_n_steps=3"], lambda: kill_at(4), 3),
+}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_killed_and_resumed_equals_uninterrupted(case, caches, tiny_base, tmp_path):
-    head, n, extra, stop, expect_step = CASES[case]
+    _kill_case(CASES[case], caches, tiny_base, tmp_path)
+
+
+@pytest.mark.resume_matrix
+@pytest.mark.parametrize("case", list(MATRIX))
+def test_resume_matrix_single_process(case, caches, tiny_base, tmp_path):
+    _kill_case(MATRIX[case], caches, tiny_base, tmp_path)
+
+
+def _kill_case(spec, caches, tiny_base, tmp_path):
+    head, n, extra, stop, expect_step = spec
     cache = caches[n]
     full = _train(tmp_path, cache, tiny_base, head, "full", extra)["run_dir"]
     with pytest.raises(Kill):

@@ -153,3 +153,10 @@ def test_resume_may_change_devices_and_logging_and_records_the_launch(ctc_run):
     assert (run_dir / "config.yaml").read_text() == config
     launches = sorted((run_dir / "launches").glob("*.yaml"))
     assert launches and "log_every_n_steps: 2" in launches[-1].read_text()
+
+
+def test_progress_description_never_negative():
+    from train.run_logs import progress_description
+
+    assert progress_description(3, 1000, 0, -1) == "step 3/1000"
+    assert progress_description(4, 10, 1, 2) == "step 4/10 · epoch 2/2"

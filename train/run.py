@@ -137,6 +137,10 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
                          save_top_k=int(t.save_top_k), save_last=True, filename="step{step:07d}",
                          auto_insert_metric_name=False)
     cbs = [ckpt, DataPosition(), Preemption(ckpt), DistributedInfo(), *(callbacks or [])]
+    if bool(t.progress_bar):
+        from train.run_logs import StepProgressBar
+
+        cbs.append(StepProgressBar())
     loggers = build_loggers(cfg, run_dir, resume_step)
     accumulate = int(t.accumulate_grad_batches)
     trainer = pl.Trainer(

@@ -163,3 +163,48 @@ def build_wandb_logger(cfg: Any, run_dir: Path):
     # lightning 2.6.6 always passes anonymous=None, which wandb >= 0.2x answers with a deprecation warning
     getattr(logger, "_wandb_init", {}).pop("anonymous", None)
     return logger
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress bar.
+# ---------------------------------------------------------------------------------------------
+from lightning.pytorch.callbacks import TQDMProgressBar  # noqa: E402
+
+
+def progress_description(step: int, total_steps: int, epoch: int, max_epochs: int) -> str:
+    """``"step k/N"``, plus ``" · epoch e/E"`` (1-based) when the budget is in epochs (``max_epochs`` > 0)."""
+    text = f"step {int(step)}/{int(total_steps)}"
+    if int(max_epochs) > 0:
+        text += f" · epoch {int(epoch) + 1}/{int(max_epochs)}"
+    return text
+
+
+class StepProgressBar(TQDMProgressBar):
+    """One training bar for the whole run over optimizer steps (``step k/N``, N = ``train.max_steps``
+    or the epoch budget's step count), starting at a resumed run's step; Lightning's default bar
+    counts micro-batches per epoch and reads ``Epoch 0/-2`` under a step budget."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.train_progress_bar = self.init_train_tqdm()
+        self._total = int(pl_module.total_steps())
+        self.train_progress_bar.reset(total=self._total)
+        self.train_progress_bar.update(int(trainer.global_step))
+        self._describe(trainer)
+
+    def _describe(self, trainer) -> None:
+        self.train_progress_bar.set_description(progress_description(
+            trainer.global_step, self._total, trainer.current_epoch, int(trainer.max_epochs or -1)))
+
+    def on_train_epoch_start(self, trainer, *_: Any) -> None:
+        self._describe(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        bar = self.train_progress_bar
+        if bar is not None and int(trainer.global_step) != bar.n:
+            bar.update(int(trainer.global_step) - bar.n)
+            self._describe(trainer)
+            bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if not self.train_progress_bar.disable:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
