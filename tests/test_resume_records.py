@@ -117,12 +117,22 @@ def _snapshot(run_dir: Path) -> dict[str, float]:
     return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
 
 
-@pytest.mark.parametrize("change", [["heads.num_layers=2"], ["train.cache_dir=/elsewhere"],
+@pytest.mark.parametrize("change", [["heads.slots=8"], ["train.cache_dir=COPY"],
                                     ["train.optimizer.lr=0.5", "seed=7"]])
 def test_resume_with_changed_config_is_refused_before_writing(ctc_run, change, capsys):
+    """A head change (was a state-dict traceback after rewriting config.yaml), another cache with
+    the same content (was accepted silently), training settings: all refused, nothing written."""
+    import shutil
+
     from train.run import main
 
     run_dir, args = ctc_run
+    if change == ["train.cache_dir=COPY"]:
+        cache = Path([a for a in args if a.startswith("train.cache_dir=")][0].split("=", 1)[1])
+        copy = cache.parent / "cache_copy"
+        if not copy.exists():
+            shutil.copytree(cache, copy)
+        change = [f"train.cache_dir={copy}"]
     before = _snapshot(run_dir)
     with pytest.raises(SystemExit) as exc:
         main([*args, "resume=auto", *change])

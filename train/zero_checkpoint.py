@@ -75,21 +75,32 @@ def full_fp32_state_dict(strategy) -> dict[str, torch.Tensor]:
 
     module = strategy.lightning_module
     params = dict(module.named_parameters())
+    frozen = [p for p in params.values() if hasattr(p, "ds_id") and not p.requires_grad]
+    gathered: dict[int, torch.Tensor] = {}
+    if frozen:
+        # Frozen ZeRO-3 parameters have no fp32 master: gather their partitions.  ZeRO-3's
+        # prefetcher may still have an all-gather of some of them in flight from the last forward
+        # (a validation whose module order differs from the recorded trace), and gathering such a
+        # parameter fails with "Cannot partition a param in flight": release and re-partition
+        # every parameter first (waits for the in-flight gathers), then gather all frozen ones at once.
+        import deepspeed
+
+        engine = getattr(strategy, "deepspeed_engine", None)
+        if engine is not None and hasattr(engine, "empty_partition_cache"):
+            engine.empty_partition_cache()
+        with deepspeed.zero.GatheredParameters(frozen):
+            gathered = {id(p): p.detach().float().cpu().clone() for p in frozen}
     out: dict[str, torch.Tensor] = {}
     for key, value in module.state_dict(keep_vars=True).items():
         param = params.get(key)
         if param is None:
             out[key] = value.detach().cpu().clone()
             continue
-        full = safe_get_full_fp32_param(param)
+        full = gathered.get(id(param))
         if full is None:
-            if hasattr(param, "ds_id"):  # frozen ZeRO-3 parameter: gather it
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([param]):
-                    full = param.detach().float().clone()
-            else:
-                full = param.detach().float()
+            full = safe_get_full_fp32_param(param)
+        if full is None:
+            full = param.detach().float()
         out[key] = full.detach().cpu().clone().reshape(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
     return out
 
