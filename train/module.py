@@ -230,8 +230,9 @@ class DraftHeadModule(pl.LightningModule):
                            f"validation_metrics return only {sorted(values)}")
         for name, value in values.items():
             self.log(f"val/{name}", value, prog_bar=name in ("loss", "sim_tau"), sync_dist=False)
-        self.log("step", float(self.global_step), sync_dist=False)
-        self.log("epoch", float(self.current_epoch), sync_dist=False)
+        # identical on every rank; sync_dist only so Lightning does not warn about it
+        self.log("step", float(self.global_step), sync_dist=True)
+        self.log("epoch", float(self.current_epoch), sync_dist=True)
 
     # -- resume state ------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
