@@ -3,14 +3,15 @@
 Run as a subprocess per rank (RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set by
 the caller, like torchrun)::
 
-    python tests/_resume_worker.py --model-dir D --plan '[[overrides...], ...]' [--stop JSON] common overrides...
+    python tests/_resume_worker.py --model-dir D --plan '[{"overrides": [...], "stop": {...}}, ...]' common overrides...
 
 Each plan entry is one ``train.run.train`` call (``core.config.compose`` of the common and the
-entry's overrides) in these processes.  ``--stop`` applies to the last entry:
-``{"kind": "kill", "step": N}`` hard-exits every rank (``os._exit(17)``, like SIGKILL) before the
-batch after optimizer step N; ``{"kind": "signal", "step": N, "signal": "SIGTERM", "ranks": [0]}``
-sends the signal to the listed ranks' own process inside optimizer step N (before the update); a
-pre-empted run exits 128 + signal number, as ``python -m train`` does.
+entry's overrides) in these processes, so several runs share one interpreter start-up.  An
+entry's optional ``stop``: ``{"kind": "kill", "step": N}`` hard-exits every rank
+(``os._exit(17)``, like SIGKILL) before the batch after optimizer step N (so it must be the last
+entry); ``{"kind": "signal", "step": N, "signal": "SIGTERM", "ranks": [0]}`` sends the signal to
+the listed ranks' own process inside optimizer step N (before the update); the pre-empted run
+returns and the plan goes on.
 
 Also registers ``adadecode_frozen``: AdaDecode plus one frozen parameter (issue 11, item 5).
 """
@@ -74,17 +75,15 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-dir", required=True)
     p.add_argument("--plan", required=True)
-    p.add_argument("--stop", default=None)
     args, common = p.parse_known_args(argv)
-    plan = json.loads(args.plan)
     base = load_base_model({"path": args.model_dir, "dtype": "float32", "attn_implementation": "eager"})
-    for i, overrides in enumerate(plan):
+    for entry in json.loads(args.plan):
         cfg = compose(["train.logger=csv", "train.progress_bar=false", "train.sanity_val_steps=0",
-                       "train.accelerator=cpu", "train.log_every_n_steps=1", *common, *overrides])
-        callbacks = [stop_callback(json.loads(args.stop))] if args.stop and i == len(plan) - 1 else []
+                       "train.accelerator=cpu", "train.log_every_n_steps=1", *common, *entry["overrides"]])
+        callbacks = [stop_callback(entry["stop"])] if entry.get("stop") else []
         result = train(cfg, base=base, callbacks=callbacks)
-        if result["preempted"] is not None:
-            sys.exit(128 + result["preempted"].signum)
+        if entry.get("stop", {}).get("kind") == "signal":
+            assert result["preempted"] is not None and result["preempted"].step == entry["stop"]["step"], result
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Stopped, resumed, equal to uninterrupted: two processes (DDP, DeepSpeed ZeRO-3 on CPU/gloo).
 
-Each case is one subprocess pair (``tests/_resume_worker.py``) that trains the uninterrupted run
-and then the stopped one, and a second pair that resumes it with ``resume=auto``.  Compared
+One subprocess pair (``tests/_resume_worker.py``) trains every case's uninterrupted run and its
+stopped run, a second pair resumes them all with ``resume=auto`` (two interpreter start-ups for
+the whole group).  Compared
 bitwise: the exported weights, the optimizer state (DDP: the checkpoint's; ZeRO: every rank's
 shard), and the logged rows.
 
@@ -91,37 +92,54 @@ def _optimizer_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 CASES = {
-    # name: (head, strategy overrides, budget overrides, stop spec, expected exit code of the stopped launch)
-    "ddp-falcon-kill": ("falcon", ["strategy=ddp"], ["train.max_steps=6", "train.val_every_n_steps=2"],
-                        {"kind": "kill", "step": 3}, 17),
-    "zero3-adadecode-frozen-sigterm": (
-        "adadecode_frozen", ["strategy=deepspeed_zero3"], ["train.max_steps=6", "train.val_every_n_steps=2"],
-        {"kind": "signal", "step": 3, "signal": "SIGTERM", "ranks": [0]}, 143),
+    # name: (head, strategy + budget overrides, stop spec); a kill must be the last case of a group
+    "zero3-adadecode-frozen-sigterm": ("adadecode_frozen", ["strategy=deepspeed_zero3", "train.max_steps=6",
+                                                            "train.val_every_n_steps=2"],
+                                       {"kind": "signal", "step": 3, "signal": "SIGTERM", "ranks": [0]}),
+    "ddp-falcon-kill": ("falcon", ["strategy=ddp", "train.max_steps=6", "train.val_every_n_steps=2"],
+                        {"kind": "kill", "step": 3}),
 }
-MATRIX = {
-    "ddp-ctc-epochs-acc2-midwindow": ("ctc", ["strategy=ddp"],
-                                      ["train.max_steps=-1", "train.max_epochs=2", "train.accumulate_grad_batches=2",
-                                       "train.val_every_n_steps=1"], {"kind": "kill", "step": 2, "micro": 1}, 17),
-    "zero3-falcon-sigusr1-both-ranks": ("falcon", ["strategy=deepspeed_zero3"],
-                                        ["train.max_steps=6", "train.val_every_n_steps=3"],
-                                        {"kind": "signal", "step": 4, "signal": "SIGUSR1", "ranks": [0, 1]}, 138),
-    "zero3-adadecode-epochs-epoch-end": ("adadecode", ["strategy=deepspeed_zero3"],
-                                         ["train.max_steps=-1", "train.max_epochs=3", "train.val_every_n_steps=3"],
-                                         {"kind": "kill", "step": 3}, 17),
-}
+MATRIX = [{  # groups: at most one kill each, last
+    "zero3-falcon-sigusr1-both-ranks": ("falcon", ["strategy=deepspeed_zero3", "train.max_steps=6",
+                                                   "train.val_every_n_steps=3"],
+                                        {"kind": "signal", "step": 4, "signal": "SIGUSR1", "ranks": [0, 1]}),
+    "ddp-adadecode-sigterm-acc2": ("adadecode", ["strategy=ddp", "train.max_steps=6", "train.val_every_n_steps=2",
+                                                 "train.accumulate_grad_batches=2"],
+                                   {"kind": "signal", "step": 3, "signal": "SIGTERM", "ranks": [1]}),
+    "zero3-adadecode-epochs-epoch-end": ("adadecode", ["strategy=deepspeed_zero3", "train.max_steps=-1",
+                                                       "train.max_epochs=3", "train.val_every_n_steps=3"],
+                                         {"kind": "kill", "step": 3}),
+}, {
+    "ddp-ctc-epochs-acc2-midwindow": ("ctc", ["strategy=ddp", "train.max_steps=-1", "train.max_epochs=2",
+                                              "train.accumulate_grad_batches=2", "train.val_every_n_steps=1"],
+                                      {"kind": "kill", "step": 2, "micro": 1}),
+}]
 
 
-def _case(name, spec, cache, tiny_model_dir, tmp_path):
-    head, strategy, budget, stop, code = spec
+def _run_group(cases: dict, cache, tiny_model_dir, tmp_path) -> None:
+    """Every case's uninterrupted and stopped run in one process pair (a kill ends it, so at most
+    the last case kills), then every resume in a second pair; compare each case."""
     common = ["--model-dir", str(tiny_model_dir), f"output_root={tmp_path / 'out'}", f"train.cache_dir={cache}",
-              "train.batch_size=2", "train.scheduler.warmup_steps=1", "train.optimizer.lr=0.01",
-              *HEAD_ARGS[head], *strategy, *budget]
-    plan = [["train.run_name=full"], ["train.run_name=part"]]
-    _launch([*common, "--plan", json.dumps(plan), "--stop", json.dumps(stop)], tmp_path, allow_rc=(code,))
-    runs = tmp_path / "out" / "runs" / head
-    assert not (runs / "part" / "last").exists() and (runs / "part" / "checkpoints" / "last.ckpt").is_file()
-    _launch([*common, "--plan", json.dumps([["train.run_name=part", "resume=auto"]])], tmp_path)
-    full, part = runs / "full", runs / "part"
+              "train.batch_size=2", "train.scheduler.warmup_steps=1", "train.optimizer.lr=0.01"]
+    kills = [n for n, (_, _, stop) in cases.items() if stop["kind"] == "kill"]
+    assert len(kills) <= 1 and (not kills or kills[0] == list(cases)[-1]), "a kill must be the last case"
+    first, second = [], []
+    for name, (head, overrides, stop) in cases.items():
+        args = [*HEAD_ARGS[head], *overrides]
+        first += [{"overrides": [*args, f"train.run_name={name}-full"]},
+                  {"overrides": [*args, f"train.run_name={name}-part"], "stop": stop}]
+        second.append({"overrides": [*args, f"train.run_name={name}-part", "resume=auto"]})
+    _launch([*common, "--plan", json.dumps(first)], tmp_path, allow_rc=(17,) if kills else (0,))
+    for name, (head, _, _) in cases.items():
+        part = tmp_path / "out" / "runs" / head / f"{name}-part"
+        assert not (part / "last").exists() and (part / "checkpoints" / "last.ckpt").is_file(), name
+    _launch([*common, "--plan", json.dumps(second)], tmp_path)
+    for name, (head, _, _) in cases.items():
+        runs = tmp_path / "out" / "runs" / head
+        _compare(name, runs / f"{name}-full", runs / f"{name}-part")
+
+
+def _compare(name: str, full: Path, part: Path) -> None:
     wa, wb = load_file(full / "last" / "model.safetensors"), load_file(part / "last" / "model.safetensors")
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -130,15 +148,14 @@ def _case(name, spec, cache, tiny_model_dir, tmp_path):
     assert oa.keys() == ob.keys()
     for k in oa:
         assert torch.equal(oa[k], ob[k]), f"{name}: optimizer state {k} differs"
-    assert _rows(full) == _rows(part)
+    assert _rows(full) == _rows(part), name
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_two_process_stop_and_resume_is_exact(name, cache, tiny_model_dir, tmp_path):
-    _case(name, CASES[name], cache, tiny_model_dir, tmp_path)
+def test_two_process_stop_and_resume_is_exact(cache, tiny_model_dir, tmp_path):
+    _run_group(CASES, cache, tiny_model_dir, tmp_path)
 
 
 @pytest.mark.resume_matrix
-@pytest.mark.parametrize("name", list(MATRIX))
-def test_two_process_resume_matrix(name, cache, tiny_model_dir, tmp_path):
-    _case(name, MATRIX[name], cache, tiny_model_dir, tmp_path)
+@pytest.mark.parametrize("group", range(len(MATRIX)))
+def test_two_process_resume_matrix(group, cache, tiny_model_dir, tmp_path):
+    _run_group(MATRIX[group], cache, tiny_model_dir, tmp_path)
