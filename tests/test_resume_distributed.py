@@ -130,13 +130,14 @@ def _run_group(cases: dict, cache, tiny_model_dir, tmp_path) -> None:
                   {"overrides": [*args, f"train.run_name={name}-part"], "stop": stop}]
         second.append({"overrides": [*args, f"train.run_name={name}-part", "resume=auto"]})
     _launch([*common, "--plan", json.dumps(first)], tmp_path, allow_rc=(17,) if kills else (0,))
-    for name, (head, _, _) in cases.items():
-        part = tmp_path / "out" / "runs" / head / f"{name}-part"
+    runs = tmp_path / "out" / "runs"
+    for name in cases:
+        part = next(iter(sorted(runs.glob(f"*/{name}-part"))), runs / name)
         assert not (part / "last").exists() and (part / "checkpoints" / "last.ckpt").is_file(), name
     _launch([*common, "--plan", json.dumps(second)], tmp_path)
-    for name, (head, _, _) in cases.items():
-        runs = tmp_path / "out" / "runs" / head
-        _compare(name, runs / f"{name}-full", runs / f"{name}-part")
+    for name in cases:
+        (full,), (part,) = sorted(runs.glob(f"*/{name}-full")), sorted(runs.glob(f"*/{name}-part"))
+        _compare(name, full, part)
 
 
 def _compare(name: str, full: Path, part: Path) -> None:

@@ -88,8 +88,13 @@ def test_wandb_offline_without_credentials_and_user_mode_wins(no_wandb_env, tmp_
 
 
 def test_one_wandb_run_id_per_run_directory(no_wandb_env, tmp_path, monkeypatch):
+    from train.run_logs import record_wandb_run_id
+
     monkeypatch.setenv("WANDB_MODE", "offline")
-    first, second = _wandb_logger(tmp_path), _wandb_logger(tmp_path)
+    first = _wandb_logger(tmp_path)
+    (tmp_path / "run").mkdir()
+    record_wandb_run_id(tmp_path / "run", [first])  # train() does this once the run directory exists
+    second = _wandb_logger(tmp_path)  # a resumed launch
     assert first._wandb_init["id"] and first._wandb_init["id"] == second._wandb_init["id"]
     assert first._wandb_init["resume"] == "allow"
     assert (tmp_path / "run" / "wandb_run_id").read_text().strip() == first._wandb_init["id"]

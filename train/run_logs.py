@@ -127,7 +127,6 @@ def wandb_run_id(run_dir: str | os.PathLike) -> str:
     sweep agent's ``$WANDB_RUN_ID``, else a new random id (recorded by :func:`record_wandb_run_id`
     once the run directory exists)."""
     path = Path(run_dir) / RUN_ID_FILE
-    create = create and rank_zero_only.rank == 0  # only rank 0 logs to W&B; one writer of the file
     if path.is_file():
         value = path.read_text().strip()
         if value:
