@@ -378,9 +378,11 @@ def test_loggers(tmp_path, monkeypatch):
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no credentials anywhere: offline
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     cfg = compose(["train.logger=wandb"])
     loggers = build_loggers(cfg, tmp_path)
-    assert [type(lg) for lg in loggers] == [CSVLogger, WandbLogger]
+    assert isinstance(loggers[0], CSVLogger) and isinstance(loggers[1], WandbLogger) and len(loggers) == 2
     import os
 
     assert os.environ["WANDB_MODE"] in ("offline", "dryrun") and loggers[1]._offline
