@@ -14,6 +14,8 @@ bytes plus one small header, ≤1.02× raw):
 * ``offsets`` int64 [R+1] — record r spans tokens ``offsets[r]:offsets[r+1]``
 * ``hidden`` [N, H] — hs[L], the final post-norm state, in ``prep.dtype``
 * ``aux_hidden.<l>`` [N, H] — hs[l] for every configured intermediate layer l
+* with ``prep.dtype=float8_e4m3fn`` also ``hidden_scale`` / ``aux_hidden_scale.<l>`` float32 [N]:
+  one scale per token row (``data_prep.fp8``); the reader returns ``q * scale`` in bf16
 * safetensors metadata ``{"ids": JSON list of conversation ids}``
 
 Manifest: format, split, config hash, base identity, final layer L, aux layer ids, hidden
@@ -39,6 +41,8 @@ MANIFEST = "manifest.json"
 RUNTIME_KEYS = {"model": ("cache_dir",), "prep": ("cache_dir", "batch_tokens", "gen_batch_size", "progress")}
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if hasattr(torch, "float8_e4m3fn"):  # prep.dtype=float8_e4m3fn: per-row scales (data_prep.fp8)
+    _TORCH_DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,7 +114,8 @@ def build_shard_tensors(records: Sequence[dict], layers: Sequence[int], final_la
             length T) and ``hidden`` ``{layer: Tensor [T, H]}`` holding ``final_layer`` and ``layers``.
         layers: intermediate layer ids (stored as ``aux_hidden.<l>``).
         final_layer: L (stored as ``hidden``).
-        dtype: storage dtype of hidden states.
+        dtype: storage dtype of hidden states; ``torch.float8_e4m3fn`` stores per-row scales too
+            (``hidden_scale``, ``aux_hidden_scale.<l>`` float32 [N], :func:`data_prep.fp8.quantize_rows`).
     """
     lengths = [len(r["input_ids"]) for r in records]
     offsets = torch.zeros(len(records) + 1, dtype=torch.int64)
@@ -121,10 +126,15 @@ def build_shard_tensors(records: Sequence[dict], layers: Sequence[int], final_la
         "labels": cat("labels", torch.int32),
         "loss_mask": cat("loss_mask", torch.bool),
         "offsets": offsets,
-        "hidden": torch.cat([r["hidden"][final_layer].to(dtype) for r in records]),
     }
-    for l in layers:
-        out[f"aux_hidden.{l}"] = torch.cat([r["hidden"][l].to(dtype) for r in records])
+    from data_prep.fp8 import is_fp8, quantize_rows
+
+    for key, l in (("hidden", final_layer), *((f"aux_hidden.{l}", l) for l in layers)):
+        rows = torch.cat([r["hidden"][l] for r in records])
+        if is_fp8(dtype):
+            out[key], out[key.replace("hidden", "hidden_scale", 1)] = quantize_rows(rows)
+        else:
+            out[key] = rows.to(dtype)
     return out
 
 
@@ -216,7 +226,8 @@ class CacheReader:
 
     ``len(reader)`` records; ``reader[i]`` returns (design.md "Cache → batch contract"):
     ``input_ids`` LongTensor [T], ``loss_mask`` BoolTensor [T], ``labels`` LongTensor [T],
-    ``hidden`` [T, H] (stored dtype), ``aux_hidden`` {l: [T, H]}, ``id`` str.
+    ``hidden`` [T, H] (stored dtype; bf16 for an fp8 cache, dequantised with its per-row
+    scales), ``aux_hidden`` {l: [T, H]}, ``id`` str.
 
     Args:
         directory: a directory holding ``manifest.json`` (e.g. ``<cache>/train``).
@@ -237,6 +248,7 @@ class CacheReader:
             raise ValueError(f"{path}: format {self.manifest.get('format')!r} is not {FORMAT!r}")
         self.layers: list[int] = list(self.manifest["layers"])
         self._files = []
+        self._scaled: list[bool] = []
         self._offsets: list[list[int]] = []
         self._ids: list[list[str]] = []
         self._starts = [0]
@@ -247,6 +259,7 @@ class CacheReader:
             if verify and sha256_file(shard) != entry["sha256"]:
                 raise ValueError(f"{shard}: sha256 does not match {path}; re-run data prep to rewrite it")
             self._files.append(None)
+            self._scaled.append(False)
             self._offsets.append([])
             self._ids.append([])
             self._starts.append(self._starts[-1] + int(entry["records"]))
@@ -266,7 +279,18 @@ class CacheReader:
             self._offsets[k] = f.get_tensor("offsets").tolist()
             self._ids[k] = json.loads(f.metadata()["ids"])
             self._files[k] = f
+            self._scaled[k] = "hidden_scale" in f.keys()
         return self._files[k]
+
+    def _hidden(self, k: int, key: str, a: int, b: int) -> torch.Tensor:
+        """Rows ``a:b`` of hidden-state tensor ``key`` of shard ``k``; fp8 shards are dequantised (bf16)."""
+        f = self._open(k)
+        x = f.get_slice(key)[a:b]
+        if self._scaled[k]:
+            from data_prep.fp8 import dequantize_rows
+
+            x = dequantize_rows(x, f.get_slice(key.replace("hidden", "hidden_scale", 1))[a:b])
+        return x
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if i < 0:
@@ -281,8 +305,8 @@ class CacheReader:
             "input_ids": f.get_slice("input_ids")[a:b].long(),
             "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
             "labels": f.get_slice("labels")[a:b].long(),
-            "hidden": f.get_slice("hidden")[a:b],
-            "aux_hidden": {l: f.get_slice(f"aux_hidden.{l}")[a:b] for l in self.layers},
+            "hidden": self._hidden(k, "hidden", a, b),
+            "aux_hidden": {l: self._hidden(k, f"aux_hidden.{l}", a, b) for l in self.layers},
             "id": self._ids[k][r],
         }
 

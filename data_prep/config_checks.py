@@ -16,7 +16,7 @@ def _data_prep_checks(cfg: DictConfig) -> None:
         if not str(cfg.data.get("split_salt", "")):
             raise ConfigError("data.split_salt must be a non-empty string")
     if "prep" in cfg:
-        check_choice(cfg, "prep.dtype", ("bfloat16", "float16", "float32"))
+        check_choice(cfg, "prep.dtype", ("bfloat16", "float16", "float32", "float8_e4m3fn"))
         check_range(cfg, "prep.shard_size", 1)
         check_range(cfg, "prep.batch_tokens", 1)
         check_range(cfg, "prep.gen_batch_size", 1)

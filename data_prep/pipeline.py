@@ -222,6 +222,9 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     if any(l >= L or l < 1 for l in layers):
         raise UserInputError(f"prep.layers={layers}: intermediate layer ids must lie in [1, L={L}) "
                              f"(hs[{L}], the final post-norm state, is always cached)")
+    from data_prep.fp8 import is_fp8, storage_dtype
+
+    dtype = storage_dtype(str(cfg.prep.dtype))  # fp8 on a torch without it: one line, nothing written
     refuse_different_cache(root, cfg)  # before anything is written there
     data = read_split(cfg.data)  # a missing, unreadable or empty input leaves no cache directory behind
     if not data.train and not data.val:
@@ -231,7 +234,6 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
             "check data.path, data.max_length and data.max_conversations")
     root.mkdir(parents=True, exist_ok=True)
     save_config(cfg, root)
-    dtype = cache_mod._TORCH_DTYPES[cfg.prep.dtype]
     S = int(cfg.prep.shard_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(tokenizer.eos_token_id)
     header = {
@@ -241,7 +243,8 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         "layers": layers,
         "hidden_size": int(model.config.hidden_size),
         "dtypes": {"input_ids": "int32", "labels": "int32", "loss_mask": "bool", "offsets": "int64",
-                   "hidden": cfg.prep.dtype, "aux_hidden": cfg.prep.dtype},
+                   "hidden": cfg.prep.dtype, "aux_hidden": cfg.prep.dtype,
+                   **({"hidden_scale": "float32"} if is_fp8(dtype) else {})},
         "pad_id": int(pad_id),
         "labels": str(cfg.labels),
         "max_length": int(cfg.data.max_length),
@@ -277,6 +280,9 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
                            "loss_mask": torch.zeros(0, dtype=torch.bool), "offsets": torch.zeros(1, dtype=torch.int64),
                            "hidden": torch.zeros(0, H, dtype=dtype),
                            **{f"aux_hidden.{l}": torch.zeros(0, H, dtype=dtype) for l in layers}}
+                if is_fp8(dtype):
+                    tensors.update({k.replace("hidden", "hidden_scale", 1): torch.zeros(0) for k in list(tensors)
+                                    if "hidden" in k})
             cache_mod.write_shard(directory, k, tensors, [r["id"] for r in records],
                                   {"config_hash": chash, "dropped": dict(sorted(dropped.items()))})
     finally:

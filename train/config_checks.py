@@ -42,6 +42,7 @@ def check_train(cfg: DictConfig) -> None:
     _check_int(cfg, "train.max_tokens", 1, nullable=True)
     if cfg.train.batch_size is None and cfg.train.max_tokens is None:
         raise ConfigError("train.batch_size and train.max_tokens are both null: set at least one")
+    check_choice(cfg, "train.features", ("offline", "online", "hybrid"))
     _check_int(cfg, "train.bucket_size", 1)
     _check_int(cfg, "train.num_workers", 0)
     _check_int(cfg, "train.accumulate_grad_batches", 1)

@@ -336,11 +336,16 @@ class CacheDataModule(pl.LightningDataModule):
             return 1, 0
         return int(trainer.world_size), int(trainer.global_rank)
 
+    def make_dataset(self, reader, batches: list[list[int]], split: str) -> Dataset:
+        """The map-style dataset of one split's batches (:class:`BatchDataset`; ``train.online`` overrides it)."""
+        return BatchDataset(reader, batches, self.collate_fn)
+
     def _loader(self, reader, batches, shuffle: bool, mark_padding: bool, window: int = 1) -> DataLoader:
         world, rank = self._world()
         sampler = ShardedBatchSampler(len(batches), world, rank, shuffle, self.seed, mark_padding, window=window)
+        split = "train" if reader is self.train_reader else "val"
         return ResumableDataLoader(
-            BatchDataset(reader, batches, self.collate_fn), batch_size=None, sampler=sampler,
+            self.make_dataset(reader, batches, split), batch_size=None, sampler=sampler,
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0, seed=self.seed + rank,
         )
 

@@ -106,13 +106,16 @@ class DraftHeadModule(pl.LightningModule):
         train_cfg: the ``train`` config section (``optimizer``, ``scheduler`` sub-sections).
         base_model: the frozen HF base model; only borrowed (see module docstring), never stored.
         head: an already-built head to train instead of building one (e.g. loaded from a checkpoint).
+        features: ``train.online.BaseFeatures`` for ``train.features=online|hybrid``: a batch without
+            ``hidden`` is filled in by the frozen base (moved to this module's device at fit start)
+            before the head sees it; None (offline) = batches come from the cache.
 
     Logged: ``train/loss``, ``train/<head metric>``, ``train/lr``, ``train/tokens_per_s`` (all
     non-padding tokens per second on this device), ``train/assistant_tokens_per_s`` (loss-mask
     tokens), ``val/<metric>`` for each head validation metric (``val/loss``, ``val/sim_tau``...).
     """
 
-    def __init__(self, heads_cfg: Any, train_cfg: Any, base_model=None, head=None) -> None:
+    def __init__(self, heads_cfg: Any, train_cfg: Any, base_model=None, head=None, features=None) -> None:
         super().__init__()
         from omegaconf import DictConfig, OmegaConf
 
@@ -124,6 +127,7 @@ class DraftHeadModule(pl.LightningModule):
                 raise ValueError("DraftHeadModule needs base_model (to build the head) or head")
             head = heads.build(self.heads_cfg, base_model)
         self.head = head
+        self.features = features  # a plain object: the base is never a submodule (not saved, not sharded)
         self.monitor = head_monitor(type(head))
         self._val_sums: dict[str, torch.Tensor] = {}
         self._tick: float | None = None
@@ -170,11 +174,31 @@ class DraftHeadModule(pl.LightningModule):
         return Progress(step=int(self.global_step), total_steps=total_steps,
                         epoch=int(self.current_epoch), total_epochs=max_epochs)
 
+    # -- online / hybrid features (train.online) -----------------------------------------------
+    def on_fit_start(self) -> None:
+        if self.features is not None:
+            self.features.to(self.device)
+
+    def with_features(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``batch`` with the base's hidden states and labels (online/hybrid); unchanged if cached."""
+        if self.features is None or "hidden" in batch:
+            return batch
+        return self.features(batch)
+
+    def _finalize_hybrid(self) -> None:
+        dm = getattr(self.trainer, "datamodule", None)
+        if hasattr(dm, "finalize_hybrid"):
+            dm.finalize_hybrid()
+
+    def on_train_epoch_end(self) -> None:
+        self._finalize_hybrid()
+
     # -- training ----------------------------------------------------------------------------
     def on_train_epoch_start(self) -> None:
         self._tick = time.perf_counter()
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        batch = self.with_features(batch)
         loss, metrics = self.head.training_loss(batch, self.progress())
         n = int(batch["input_ids"].shape[0])
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=n)
@@ -206,6 +230,7 @@ class DraftHeadModule(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         weight = 0.0 if batch.get("is_padding", False) else 1.0
+        batch = self.with_features(batch)
         accumulate_metrics(self._val_sums, self.head.validation_metrics(batch), weight)
 
     def aggregated_validation(self) -> dict[str, float]:
@@ -220,6 +245,7 @@ class DraftHeadModule(pl.LightningModule):
         return {n: (float(s) / float(c) if c > 0 else float("nan")) for n, (s, c) in zip(names, stacked)}
 
     def on_validation_epoch_end(self) -> None:
+        self._finalize_hybrid()
         values = self.aggregated_validation()
         self.validation_results = values
         if self.trainer.sanity_checking:

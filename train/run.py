@@ -262,7 +262,14 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         base = load_base_model(cfg.model)
     model, tokenizer, identity = base
     identity_dict = identity.to_dict() if hasattr(identity, "to_dict") else dict(identity)
-    if datamodule is None:
+    features = None
+    online = str(cfg.train.get("features", "offline")) != "offline"
+    if online:  # train.online: the frozen base runs inside training (token batches, no feature cache)
+        from train.online import online_datamodule
+
+        online_dm, features = online_datamodule(cfg, model, tokenizer, identity_dict)
+        datamodule = datamodule or online_dm
+    elif datamodule is None:
         datamodule = _cache_datamodule(cfg, tokenizer, identity_dict)
     from train.resume import resolve_resume
     from train.strategies import consolidated_head
@@ -275,10 +282,15 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     else:
         check_resume_config(cfg, run_dir)
     try:  # a bad heads/train value is the user's to fix: one line, and no run directory left behind
-        module = DraftHeadModule(cfg.heads, cfg.train, base_model=model)
+        module = DraftHeadModule(cfg.heads, cfg.train, base_model=model, features=features)
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc
-    check_cache_layers(module.head, datamodule)
+    if online:
+        from train.online import check_online_config
+
+        check_online_config(cfg, model, module.head)
+    else:
+        check_cache_layers(module.head, datamodule)
     from train.config_checks import cpu_precision_warning
 
     if (note := cpu_precision_warning(cfg)) is not None:
