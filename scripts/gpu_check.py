@@ -90,8 +90,8 @@ def _tokens_per_s(run_dir: Path) -> float | None:
 
 
 def check_one(base, data: Path, out: Path, head: str, strategy: str, steps: int, max_length: int, batch_size: int,
-              accelerator: str) -> dict:
-    """Train ``head`` online under ``strategy`` and check its export; returns the result row."""
+              accelerator: str, features: str = "online") -> dict:
+    """Train ``head`` with ``train.features=features`` under ``strategy`` and check its export; returns the result row."""
     from safetensors.torch import load_file
 
     from core.config import compose
@@ -99,7 +99,7 @@ def check_one(base, data: Path, out: Path, head: str, strategy: str, steps: int,
     from train.strategies import consolidated_head
 
     model = base[0]
-    args = [f"heads={head}", f"strategy={strategy}", "train.features=online", "labels=teacher_forced",
+    args = [f"heads={head}", f"strategy={strategy}", f"train.features={features}", "labels=teacher_forced",
             f"data.path={data}", "data.max_conversations=null", "data.heldout_fraction=0.1", f"data.max_length={max_length}",
             f"output_root={out}", f"train.run_name={strategy}", f"train.max_steps={steps}", f"train.val_every_n_steps={steps}",
             f"train.batch_size={batch_size}", "train.scheduler.warmup_steps=1", "train.logger=csv",
@@ -113,10 +113,10 @@ def check_one(base, data: Path, out: Path, head: str, strategy: str, steps: int,
     live = {k: v.detach().float().cpu() for k, v in consolidated_head(trainer, module).trainable_state_dict().items()}
     saved = load_file(Path(result["run_dir"]) / "last" / "model.safetensors")
     same = sorted(live) == sorted(saved) and all(torch.equal(live[k], saved[k].float()) for k in live)
-    features = module.features
-    row = {"head": head, "strategy": strategy, "steps": int(trainer.global_step), "export_equals_memory": bool(same),
+    base_features = module.features
+    row = {"head": head, "strategy": strategy, "features": features, "steps": int(trainer.global_step), "export_equals_memory": bool(same),
            "tokens_per_s": _tokens_per_s(Path(result["run_dir"])), "wall_s": round(wall, 1),
-           "base_forward_s": round(features.seconds, 2), "head_params": sum(v.numel() for v in live.values()),
+           "base_forward_s": round(base_features.seconds, 2), "head_params": sum(v.numel() for v in live.values()),
            "loss": float(trainer.callback_metrics.get("train/loss", float("nan")))}
     if torch.cuda.is_available():
         row["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--heads", default="ctc,falcon,adadecode")
     p.add_argument("--strategies", default="deepspeed_zero2,deepspeed_zero3")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--features", default="online", choices=("online", "hybrid"))
     p.add_argument("--conversations", type=int, default=96)
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=8)
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for strategy in args.strategies.split(","):
         for head in args.heads.split(","):
             rows.append(check_one(base, data, args.out / head, head, strategy, args.steps, args.max_length,
-                                  args.batch_size, "gpu" if gpu else "cpu"))
+                                  args.batch_size, "gpu" if gpu else "cpu", args.features))
             print(json.dumps(rows[-1]), flush=True)
     report = {"base_params": params, "device": torch.cuda.get_device_name(0) if gpu else "cpu",
               "torch": torch.__version__, "rows": rows}

@@ -34,6 +34,20 @@ def test_gpu_check_entry_trains_every_head_online_and_exports(tmp_path):
             torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=f"{head} {k}")
 
 
+def test_every_head_trains_in_hybrid_mode(tmp_path):
+    """Hybrid: the first epoch writes the cache (complete: manifest), the remaining steps read it (each head)."""
+    import gpu_check
+
+    rows = gpu_check.main(["--tiny", "--strategies", "auto", "--features", "hybrid", "--steps", "6",
+                           "--conversations", "8", "--max-length", "96", "--batch-size", "2", "--out", str(tmp_path)])
+    from data_prep.cache import CacheReader
+
+    for r in rows:
+        assert r["features"] == "hybrid" and r["steps"] == 6 and r["export_equals_memory"]
+        (cache,) = (tmp_path / r["head"] / "cache").glob("hybrid-*")
+        assert 1 < CacheReader(cache / "train", verify=True).manifest["num_shards"] < 6  # an epoch is < 6 steps
+
+
 def test_gpu_check_sh_refuses_without_cuda(tmp_path):
     if torch.cuda.is_available():
         return
