@@ -108,7 +108,7 @@ def _train(tiny_model_dir, tiny_base, data_file, work: Path, name: str, *extra, 
             seen.append((trainer.current_epoch, batch_idx, "hidden" in batch, tuple(batch["ids"])))
 
     original = run_mod.build_trainer
-    run_mod.build_trainer = lambda cfg, run_dir, callbacks=None: original(cfg, run_dir, [*(callbacks or []), Record()])
+    run_mod.build_trainer = lambda cfg, run_dir, callbacks=None, **kw: original(cfg, run_dir, [*(callbacks or []), Record()], **kw)
     overrides = [f"model.path={tiny_model_dir}", "model.dtype=float32", f"data.path={data_file}",
                  f"output_root={work}", f"train.run_name={name}", *ONLINE, *TRAIN, *extra]
     try:
