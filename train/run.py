@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
         **trainer_kwargs(cfg),
         max_steps=int(t.max_steps),
         max_epochs=int(t.max_epochs),
+        # train.max_time: a wall-clock budget (Lightning's Timer callback; its elapsed time is saved in
+        # the checkpoint, so a resumed run continues the same budget)
+        max_time=timedelta(seconds=float(t.max_time)) if t.get("max_time") is not None else None,
         accumulate_grad_batches=accumulate,
         val_check_interval=int(t.val_every_n_steps) * accumulate,
         check_val_every_n_epoch=None,
