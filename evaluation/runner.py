@@ -546,6 +546,12 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     see :func:`variant_configs`; one variant when unset), interleaved so that load drift hits all
     alike.
 
+    With ``eval.turns`` > 1 every prompt's later turns follow it, each built from the vanilla
+    answer to the turn before (:func:`evaluation.turns.follow_up_prompt`); with ``eval.repeats``
+    > 1 each prompt's round is timed that many times (:func:`_decode_prompt`).  Reports carry
+    ``parity_per_turn``, ``per_turn``, ``per_category`` (:mod:`evaluation.breakdown`) and
+    ``timing``; ``summary.json`` and ``summary.md`` (:mod:`evaluation.summary`) are written too.
+
     Args:
         cfg: the composed config (``model``, ``data``, ``heads``, ``eval`` sections).
         base: optional preloaded ``(model, tokenizer, identity)``; else loaded from ``cfg.model``
@@ -629,7 +635,7 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
             m[2].generate(prompts[0].input_ids, min(8, max_new))
 
     if progress.records:
-        log.info("resuming: %d of %d prompts already decoded in %s", len(progress.records), len(prompts), progress.path)
+        log.info("resuming: %d prompt turn(s) already decoded in %s", len(progress.records), progress.path)
     van_tokens = van_seconds = van_forwards = 0
     acc = [{"stats": [], "rows": [], "tokens": 0, "seconds": 0.0} for _ in methods]
     repeats = int(ev.get("repeats") or 1)

@@ -33,15 +33,17 @@ def speedup_text(row: dict[str, Any]) -> str:
 
 
 def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """A markdown document: the main table (one row per variant/head: prompts, τ, acceptance at
+    """A markdown document: the main table (one row per variant/head: training seconds and steps
+    when the rows carry ``train_seconds`` / ``train_steps``, prompts, τ, acceptance at
     depth 1/2/3, base forwards per token, drafter time share, speedup mean ± std, tree, parity per
     turn), then τ / speedup per category when the prompts carry categories.
 
     Args:
         rows: :func:`evaluation.runner.summary_row` dicts (``variant`` may be None: one method).
     """
-    head = ("| method | prompts | τ | acc@1 | acc@2 | acc@3 | base fwd/token | drafter share | speedup | tree | "
-            "parity (per turn) |")
+    trained = any(r.get("train_steps") is not None for r in rows)  # rows of scripts/compare.py
+    head = (("| method | train (s) | steps | " if trained else "| method | ")
+            + "prompts | τ | acc@1 | acc@2 | acc@3 | base fwd/token | drafter share | speedup | tree | parity (per turn) |")
     lines = ["# Evaluation summary", "",
              "τ: tokens per base verification forward, bonus token included; acc@d: accepted / proposed at "
              "draft depth d; speedup: method ÷ vanilla tokens/s, mean ± sample std over `eval.repeats` when "
@@ -57,7 +59,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
             parity += "; repeats NOT identical"
         name = r.get("variant") or r.get("head_type") or "-"
         tree = r.get("tree")
-        lines.append(f"| {name} | {_f(r.get('prompts'), '{}')} | {_f(r.get('tau'))} | "
+        train = f"{_f(r.get('train_seconds'), '{:.0f}')} | {_f(r.get('train_steps'), '{}')} | " if trained else ""
+        lines.append(f"| {name} | {train}{_f(r.get('prompts'), '{}')} | {_f(r.get('tau'))} | "
                      + " | ".join(_f(a) for a in acc[:3])
                      + f" | {_f(r.get('base_forwards_per_token'), '{:.3f}')} | {_f(r.get('drafter_time_share'))} | "
                        f"{speedup_text(r)} | {'-' if tree is None else json.dumps(tree)} | {parity} |")

@@ -1,6 +1,8 @@
 """train.max_time: a wall-clock budget that stops training and survives resume (issue 18)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from core.config import ConfigError, compose
@@ -19,6 +21,8 @@ def test_max_time_stops_training_and_is_kept_on_resume(tiny_base, tiny_cache, tm
     timer = next(c for c in trainer.callbacks if type(c).__name__ == "Timer")
     assert timer.time_elapsed("train") >= 2.0
     assert (res["run_dir"] / "last" / "model.safetensors").is_file()
+    extra = json.loads((res["run_dir"] / "last" / "config.json").read_text())["extra"]
+    assert extra["train_seconds"] == pytest.approx(timer.time_elapsed("train"), abs=0.5) and extra["global_step"] == steps
     ckpt = SafetensorsCheckpointIO().load_checkpoint(res["run_dir"] / "checkpoints" / "last.ckpt")
     saved = next(v for k, v in ckpt["callbacks"].items() if "Timer" in k)["time_elapsed"]["train"]
     assert saved > 0
