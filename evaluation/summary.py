@@ -55,8 +55,11 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
         per_turn = r.get("parity_per_turn") or {}
         if len(per_turn) > 1:
             parity += " (" + ", ".join(f"t{t}: {v}" for t, v in per_turn.items()) + ")"
+        n_rep = (r.get("speedup_repeats") or {}).get("n") or 1
         if r.get("identical_repeat_tokens") is False:
             parity += "; repeats NOT identical"
+        elif r.get("identical_repeat_tokens") and n_rep > 1:
+            parity += f"; {n_rep} repeats identical"
         name = r.get("variant") or r.get("head_type") or "-"
         tree = r.get("tree")
         train = f"{_f(r.get('train_seconds'), '{:.0f}')} | {_f(r.get('train_steps'), '{}')} | " if trained else ""

@@ -129,7 +129,8 @@ def test_repeats_report_a_spread_and_identical_tokens(tiny_base, tiny_model_dir,
     k0 = (sum(r["method_tokens"] for r in rows) / sum(r["method_seconds_repeats"][0] for r in rows)) / (
         sum(r["vanilla_tokens"] for r in rows) / sum(r["vanilla_seconds_repeats"][0] for r in rows))
     assert sp["values"][0] == pytest.approx(k0)
-    assert " ± " in (tmp_path / "out" / "summary.md").read_text()
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert " ± " in md and "; 3 repeats identical" in md
 
 
 class _Drifting(VanillaDecoder):
@@ -213,3 +214,14 @@ def test_bad_protocol_settings_are_one_line_errors(tiny_model_dir, tmp_path, mt_
         with pytest.raises(SystemExit) as exc:
             main(_argv(tiny_model_dir, tmp_path / "o", "checkpoint=oracle", f"eval.prompts={mt_file}", bad))
         assert exc.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_later_turn_beyond_the_context_is_refused_before_anything_is_written(tiny_base, tiny_model_dir, tmp_path,
+                                                                              mt_file):
+    """Turn 1 fits max_position_embeddings (2048) with 1010 new tokens; turn 2 (turn 1 + its answer
+    at its longest + turn 2 + 1010 new tokens) cannot: refused up front, naming prompt and turn."""
+    out = tmp_path / "out"
+    argv = _argv(tiny_model_dir, out, "checkpoint=oracle", f"eval.prompts={mt_file}", "eval.max_new_tokens=1010")
+    with pytest.raises(ValueError, match=r"eval prompt '1' turn 2 .*exceeds the base model's context limit"):
+        run_evaluation(compose(rewrite_argv(argv + ["eval.turns=2"])), base=tiny_base)
+    assert not out.exists()
