@@ -419,6 +419,8 @@ def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, dict[str, str]
     # larger num_prompts extends a finished evaluation, and shards (prompt_offset) can be combined
     for k in UNFINGERPRINTED_EVAL_KEYS:
         ev.pop(k, None)
+    if "turns" in ev:  # eval.turns=2 and eval.turns="2" are one setting
+        ev["turns"] = str(ev["turns"])
     weights: dict[str, dict[str, str]] = {}  # a retrained checkpoint at the same path must not reuse old results
     slots = [("checkpoint", ev)] + [(f"variants[{i}]", v) for i, v in enumerate(ev.get("variants") or [])
                                     if isinstance(v, dict)]

@@ -5,7 +5,7 @@ omegaconf dotlist) and runs, each stage as a subprocess of this repository's ent
 
 1. ``python -m data_prep`` once: one cache (``<output_dir>/cache``) for every head;
 2. per head, ``python -m train heads=<head>`` with ``train.max_time=<train_max_time>`` (the same
-   wall-clock budget for every head), into ``<output_dir>/runs/<type>/compare-<name>``;
+   wall-clock budget for every head), into ``<output_dir>/runs/<head>/compare-<name>``;
 3. per head, the evaluation protocol on ``best/`` (else ``last/``): ``eval.shards`` processes
    (one thread each) decode disjoint question ranges, every turn, for τ and parity;
    ``python -m evaluation.merge`` joins them and one resumed pass writes the report
@@ -171,8 +171,8 @@ class Driver:
         return [f"heads={h.head}", *self.cfg.common, *h.overrides]
 
     def run_dir(self, name: str) -> Path:
-        head_type = OmegaConf.load(ROOT / "configs" / "heads" / f"{self.cfg.heads[name].head}.yaml").type
-        return self.out / "runs" / str(head_type) / f"compare-{name}"
+        """``<output_dir>/runs/<heads option>/compare-<name>`` (:func:`train.run.runs_root`)."""
+        return self.out / "runs" / str(self.cfg.heads[name].head) / f"compare-{name}"
 
     def train(self, name: str) -> None:
         c = self.cfg
