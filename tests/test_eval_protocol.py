@@ -173,7 +173,7 @@ def test_multi_turn_shards_merge_and_resume(tiny_base, tiny_model_dir, tmp_path,
     a = run("a", "eval.num_prompts=2")
     run("b", "eval.prompt_offset=2", "eval.num_prompts=2")
     assert [r["id"] for r in a["per_prompt"]] == ["1", "1/turn2", "2", "2/turn2"]
-    assert merge_main([str(tmp_path / "all"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert merge_main(["--no-report", str(tmp_path / "all"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     calls.clear()
     full = run("all", "eval.num_prompts=4", "resume=auto")
     assert not calls and full["parity_per_turn"]["2"]["total"] == 4
