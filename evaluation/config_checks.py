@@ -13,10 +13,15 @@ def _eval_checks(cfg: DictConfig) -> None:
     check_range(cfg, "eval.max_new_tokens", 1, None)
     if not isinstance(cfg.eval.max_new_tokens, int):
         raise ConfigError(f"eval.max_new_tokens={cfg.eval.max_new_tokens!r} must be an integer")
-    for key in ("num_prompts", "max_prompt_tokens", "threads"):
+    for key in ("num_prompts", "max_prompt_tokens", "threads", "prompts_per_category"):
         if OmegaConf.select(cfg, f"eval.{key}") is not None:
             check_range(cfg, f"eval.{key}", 1, None)
     check_range(cfg, "eval.warmup", 0, None)
+    if "repeats" in cfg.eval:
+        if not isinstance(cfg.eval.repeats, int) or isinstance(cfg.eval.repeats, bool) or cfg.eval.repeats < 1:
+            raise ConfigError(f"eval.repeats={cfg.eval.repeats!r} must be an integer >= 1")
+    if "turns" in cfg.eval and str(cfg.eval.turns) not in ("1", "2", "all"):
+        raise ConfigError(f"eval.turns={cfg.eval.turns!r} must be 1, 2 or all")
     check_range(cfg, "eval.prompt_offset", 0, None)
     check_range(cfg, "eval.temperature", 0, None)
     check_range(cfg, "eval.reference_depth", 1, None)

@@ -23,11 +23,31 @@ class PromptError(ValueError):
 
 @dataclass
 class Prompt:
-    """One templated prompt: ``id`` (str), ``messages`` (chat messages), ``input_ids`` LongTensor [T]."""
+    """One templated prompt: ``id`` (str), ``messages`` (chat messages), ``input_ids`` LongTensor [T].
+
+    ``category`` is the record's ``category`` field (MT-bench; None when absent); ``follow_ups``
+    the record's later user turns (MT-bench ``turns[1:]``, decoded with ``eval.turns`` > 1, see
+    :mod:`evaluation.turns`); ``turn`` the 1-based user turn this prompt ends in.
+    """
 
     id: str
     messages: list[dict[str, str]]
     input_ids: torch.Tensor
+    category: str | None = None
+    follow_ups: tuple[str, ...] = ()
+    turn: int = 1
+
+
+def _follow_ups(rec: dict, field: str | None, where: str) -> tuple[str, ...]:
+    """The user turns after the first of an MT-bench style record (``turns`` = list of strings)."""
+    key = field or next((k for k in AUTO_FIELDS if k in rec), None)
+    value = rec.get(key) if key else None
+    if not (isinstance(value, list) and value and isinstance(value[0], str)):
+        return ()
+    for j, t in enumerate(value[1:], start=1):
+        if not isinstance(t, str) or not t.strip():
+            raise PromptError(f"{where}: field {key!r}[{j}] must be a non-empty string (a follow-up user turn)")
+    return tuple(value[1:])
 
 
 def _messages_from_record(rec: Any, field: str | None, where: str) -> list[dict[str, str]]:
@@ -61,13 +81,24 @@ def read_jsonl_prompts(path: str | Path, field: str | None = None, limit: int | 
                        ) -> list[tuple[str, list[dict[str, str]]]]:
     """Read ``(id, messages)`` from a JSONL file (one JSON object per non-blank line).
 
+    See :func:`read_jsonl_records` (the same records with category and follow-up turns).
+    """
+    return [(r["id"], r["messages"]) for r in read_jsonl_records(path, field, limit)]
+
+
+def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+    """Read ``{"id", "messages", "category", "follow_ups"}`` from a JSONL file (one JSON object per
+    non-blank line).
+
     The id is the first of ``question_id`` / ``id`` / ``prompt_id`` / ``conversation_id``, else
     ``line<N>``.  The prompt is ``field`` (or the first of :data:`AUTO_FIELDS` present): a string,
     a list of strings (the first is taken: MT-bench ``turns``), or a list of chat messages (up to
-    the first user message).
+    the first user message).  ``category`` is the record's ``category`` (a string, else None);
+    ``follow_ups`` the later strings of a list-of-strings prompt field (MT-bench turns 2..n).
 
     Raises:
-        PromptError: the file is missing or a line is not valid / has no prompt (names the line).
+        PromptError: the file is missing or a line is not valid / has no prompt / has an empty
+            follow-up turn or a non-string category (names the line).
     """
     path = Path(path)
     if not path.is_file():
@@ -87,7 +118,11 @@ def read_jsonl_prompts(path: str | Path, field: str | None = None, limit: int | 
         except json.JSONDecodeError as exc:
             raise PromptError(f"{where}: invalid JSON ({exc.msg})") from None
         pid = next((str(rec[k]) for k in ID_FIELDS if isinstance(rec, dict) and k in rec), f"line{lineno}")
-        out.append((pid, _messages_from_record(rec, field, where)))
+        msgs = _messages_from_record(rec, field, where)
+        cat = rec.get("category")
+        if cat is not None and not isinstance(cat, str):
+            raise PromptError(f"{where}: field 'category' must be a string, got {type(cat).__name__}")
+        out.append({"id": pid, "messages": msgs, "category": cat, "follow_ups": _follow_ups(rec, field, where)})
         if limit is not None and len(out) >= limit:
             break
     if not out:
@@ -106,7 +141,8 @@ def load_prompts(eval_cfg, data_cfg, tokenizer) -> tuple[list[Prompt], list[dict
 
     Args:
         eval_cfg: the ``eval`` section (``prompts``, ``prompt_field``, ``num_prompts``,
-            ``prompt_offset``, ``max_prompt_tokens``).
+            ``prompt_offset``, ``max_prompt_tokens``, ``prompts_per_category``: keep only the
+            first N usable prompts of each ``category``, in file order, before offset and count).
         data_cfg: the ``data`` section (ShareGPT path and held-out split) used when
             ``eval.prompts`` is null.
         tokenizer: the base tokenizer (with a chat template).
@@ -119,21 +155,27 @@ def load_prompts(eval_cfg, data_cfg, tokenizer) -> tuple[list[Prompt], list[dict
     limit = eval_cfg.get("num_prompts")
     offset = int(eval_cfg.get("prompt_offset") or 0)
     if eval_cfg.get("prompts"):
-        raw = read_jsonl_prompts(eval_cfg.prompts, eval_cfg.get("prompt_field"))
+        raw = read_jsonl_records(eval_cfg.prompts, eval_cfg.get("prompt_field"))
         source = str(eval_cfg.prompts)
     else:
         from data_prep.pipeline import heldout_prompts
 
-        raw = heldout_prompts(data_cfg)
+        raw = ({"id": pid, "messages": m, "category": None, "follow_ups": ()} for pid, m in heldout_prompts(data_cfg))
         source = "sharegpt-heldout"
     max_len = eval_cfg.get("max_prompt_tokens")
+    per_cat = eval_cfg.get("prompts_per_category")
+    taken: dict[str | None, int] = {}
     prompts, skipped = [], []
-    for pid, messages in raw:
+    for rec in raw:
+        pid, messages = rec["id"], rec["messages"]
+        if per_cat is not None and taken.get(rec["category"], 0) >= int(per_cat):
+            continue
         ids = template(tokenizer, messages)
         if max_len is not None and ids.numel() > int(max_len):
             skipped.append({"id": pid, "prompt_tokens": int(ids.numel()), "reason": "longer than eval.max_prompt_tokens"})
             continue
-        prompts.append(Prompt(pid, messages, ids))
+        taken[rec["category"]] = taken.get(rec["category"], 0) + 1
+        prompts.append(Prompt(pid, messages, ids, rec["category"], tuple(rec["follow_ups"])))
         if limit is not None and len(prompts) >= offset + int(limit):
             break
     prompts = prompts[offset:]

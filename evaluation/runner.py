@@ -37,8 +37,11 @@ from core.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from decoding.reference import OracleDrafter, RandomDrafter
 from decoding.speculative import Decoder, Drafter, SpeculativeDecoder
 from decoding.vanilla import check_context_limit, eos_token_ids, greedy_generate, sample_generate
+from evaluation.breakdown import group_table, timing_spread
 from evaluation.metrics import TAU_CONVENTION, summarize_method
 from evaluation.prompts import load_prompts
+from evaluation.summary import summary_markdown
+from evaluation.turns import follow_up_prompt, length_bound, turns_to_run
 
 log = logging.getLogger(__name__)
 REFERENCE_DRAFTERS = ("oracle", "random")
@@ -220,7 +223,8 @@ _NAME_OK = re.compile(r"[^A-Za-z0-9._=,+-]+")
 # eval keys that define the shared reference run (prompts, lengths, dtype, device, sampling), not a method
 SHARED_EVAL_KEYS = frozenset({"variants", "prompts", "prompt_field", "num_prompts", "prompt_offset", "max_new_tokens",
                               "max_prompt_tokens", "dtype", "device", "threads", "warmup", "output_dir",
-                              "fail_on_mismatch", "temperature", "allow_other_base"})
+                              "fail_on_mismatch", "temperature", "allow_other_base", "turns", "repeats",
+                              "prompts_per_category"})
 
 
 def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
@@ -302,11 +306,17 @@ def _report(info, identity, device, model, ev, prompts, skipped, max_new, eos_id
         method["decoder_summary"] = decoder.summarize(stats)
     mismatches = [r["id"] for r in rows if r["match"] is False]
     temperature = float(ev.get("temperature") or 0.0)
+    per_turn = group_table(rows, stats, "turn")
     parity = {"matched": len(prompts) - len(mismatches), "total": len(prompts), "mismatched_ids": mismatches,
               "checked": temperature == 0}
     if temperature > 0:
         parity.update(matched=None, reason=f"temperature {temperature:g}: outputs are samples; lossless in "
                                            "distribution (tests/test_adadecode_sampling.py)")
+    timing = timing_spread(rows)
+    # greedy decoding is deterministic: every repeat must decode round 1's tokens (samples may differ)
+    unstable = [r["id"] for r in rows if r.get("repeat_mismatch")] if temperature == 0 else []
+    timing["identical_tokens"] = not unstable if temperature == 0 else None
+    timing["nonidentical_ids"] = unstable
     return {
         "head_type": info["head_type"], "decoder": info["decoder"], "checkpoint": info["checkpoint"], "info": info,
         "base": identity.to_dict() if hasattr(identity, "to_dict") else str(identity),
@@ -320,7 +330,9 @@ def _report(info, identity, device, model, ev, prompts, skipped, max_new, eos_id
                                     "method": method.get("base_forwards_per_token")},
         "drafter_passes_per_step": method.get("drafter_passes_per_step"),
         "speedup": (method["tokens_per_s"] / vanilla["tokens_per_s"]) if method.get("tokens_per_s") and vanilla["tokens_per_s"] else None,
-        "parity": parity,
+        "parity": parity, "parity_per_turn": {t: g["parity"] for t, g in per_turn.items()},
+        "turns": str(ev.get("turns", 1)), "per_turn": per_turn, "per_category": group_table(rows, stats, "category"),
+        "timing": timing,
         "temperature": temperature,
         # the eval settings this method ran with (a variant's overrides merged in); ``info.head_config``
         # is the checkpoint's own config, whose decoding defaults eval keys such as falcon_tree override
@@ -330,21 +342,39 @@ def _report(info, identity, device, model, ev, prompts, skipped, max_new, eos_id
     }
 
 
-def _decode_prompt(p, reference, decoders, max_new: int, device) -> dict[str, Any]:
-    """Vanilla, then every decoder, on one prompt (timed separately): a JSON-safe record."""
+def _timed(fn, ids, max_new, device):
     _sync(device)
     t0 = time.perf_counter()
-    ref, vstats = reference(p.input_ids, max_new)
+    out, stats = fn(ids, max_new)
     _sync(device)
-    rec = {"id": p.id, "prompt_sha256": prompt_digest(p.input_ids),
-           "vanilla": {"tokens": [int(t) for t in ref], "stats": vstats,
-                                   "seconds": time.perf_counter() - t0}, "methods": []}
-    for dec in decoders:
-        _sync(device)
-        t0 = time.perf_counter()
-        out, mstats = dec.generate(p.input_ids, max_new)
-        _sync(device)
-        rec["methods"].append({"tokens": [int(t) for t in out], "stats": mstats, "seconds": time.perf_counter() - t0})
+    return [int(t) for t in out], stats, time.perf_counter() - t0
+
+
+def _decode_prompt(p, reference, decoders, max_new: int, device, repeats: int = 1) -> dict[str, Any]:
+    """Vanilla, then every decoder, on one prompt (timed separately): a JSON-safe record.
+
+    With ``repeats`` > 1 the whole round (vanilla, then each decoder) runs ``repeats`` times,
+    interleaved so load drift hits all alike.  Tokens and stats are kept from the first round
+    (τ, acceptance and parity are deterministic); every round's seconds go to
+    ``seconds_repeats`` (``seconds`` is their mean), and ``repeat_mismatch`` lists the rounds
+    (1-based) whose tokens differed from the first round's (empty for a deterministic decoder).
+    """
+    rec = {"id": p.id, "prompt_sha256": prompt_digest(p.input_ids), "vanilla": None, "methods": [None] * len(decoders)}
+    for r in range(repeats):
+        for j, fn in enumerate([reference] + [d.generate for d in decoders]):
+            toks, stats, sec = _timed(fn, p.input_ids, max_new, device)
+            slot = rec["vanilla"] if j == 0 else rec["methods"][j - 1]
+            if slot is None:
+                slot = {"tokens": toks, "stats": stats, "seconds_repeats": [], "repeat_mismatch": []}
+                if j == 0:
+                    rec["vanilla"] = slot
+                else:
+                    rec["methods"][j - 1] = slot
+            elif toks != slot["tokens"]:
+                slot["repeat_mismatch"].append(r + 1)
+            slot["seconds_repeats"].append(sec)
+    for slot in [rec["vanilla"], *rec["methods"]]:
+        slot["seconds"] = sum(slot["seconds_repeats"]) / len(slot["seconds_repeats"])
     return rec
 
 
@@ -389,6 +419,8 @@ def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, dict[str, str]
     # larger num_prompts extends a finished evaluation, and shards (prompt_offset) can be combined
     for k in UNFINGERPRINTED_EVAL_KEYS:
         ev.pop(k, None)
+    if "turns" in ev:  # eval.turns=2 and eval.turns="2" are one setting
+        ev["turns"] = str(ev["turns"])
     weights: dict[str, dict[str, str]] = {}  # a retrained checkpoint at the same path must not reuse old results
     slots = [("checkpoint", ev)] + [(f"variants[{i}]", v) for i, v in enumerate(ev.get("variants") or [])
                                     if isinstance(v, dict)]
@@ -517,6 +549,12 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     see :func:`variant_configs`; one variant when unset), interleaved so that load drift hits all
     alike.
 
+    With ``eval.turns`` > 1 every prompt's later turns follow it, each built from the vanilla
+    answer to the turn before (:func:`evaluation.turns.follow_up_prompt`); with ``eval.repeats``
+    > 1 each prompt's round is timed that many times (:func:`_decode_prompt`).  Reports carry
+    ``parity_per_turn``, ``per_turn``, ``per_category`` (:mod:`evaluation.breakdown`) and
+    ``timing``; ``summary.json`` and ``summary.md`` (:mod:`evaluation.summary`) are written too.
+
     Args:
         cfg: the composed config (``model``, ``data``, ``heads``, ``eval`` sections).
         base: optional preloaded ``(model, tokenizer, identity)``; else loaded from ``cfg.model``
@@ -575,9 +613,15 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         return greedy_generate(model, ids, n, eos_ids)
 
     prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, tokenizer)
+    turns = ev.get("turns", 1)
     for p in prompts:  # before anything is written: prompt + eval.max_new_tokens must fit the context
         check_context_limit(model, int(p.input_ids.numel()), int(ev.max_new_tokens), what=f"eval prompt {p.id!r}: ",
                             budget_key="eval.max_new_tokens")
+        for t in range(2, turns_to_run(turns, p) + 1):  # later turns: bound with max_new_tokens answers
+            n = length_bound(tokenizer, p, t, int(ev.max_new_tokens))
+            check_context_limit(model, n - int(ev.max_new_tokens), int(ev.max_new_tokens),
+                                what=f"eval prompt {p.id!r} turn {t} (earlier answers at their longest): ",
+                                budget_key="eval.max_new_tokens")
     out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, methods[0][3])
     out_dir.mkdir(parents=True, exist_ok=True)
     # refuses (before anything is written) when out_dir holds results and resume is not auto
@@ -594,18 +638,32 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
             m[2].generate(prompts[0].input_ids, min(8, max_new))
 
     if progress.records:
-        log.info("resuming: %d of %d prompts already decoded in %s", len(progress.records), len(prompts), progress.path)
+        log.info("resuming: %d prompt turn(s) already decoded in %s", len(progress.records), progress.path)
     van_tokens = van_seconds = van_forwards = 0
     acc = [{"stats": [], "rows": [], "tokens": 0, "seconds": 0.0} for _ in methods]
-    for i, p in enumerate(prompts):
+    repeats = int(ev.get("repeats") or 1)
+    last_ref: list[int] = []
+
+    def units():  # every prompt's turns in order; turn k > 1 is built from turn k-1's vanilla answer
+        for q in prompts:
+            unit = q
+            for t in range(1, turns_to_run(turns, q) + 1):
+                if t > 1:
+                    unit = follow_up_prompt(tokenizer, unit, last_ref, eos_ids)
+                yield unit
+
+    done = []
+    for i, p in enumerate(units()):
+        done.append(p)
         rec = progress.records.get(p.id)
         if rec is not None and rec.get("prompt_sha256") != prompt_digest(p.input_ids):
             raise ValueError(f"{progress.path}: prompt {p.id!r} is not the prompt these results were decoded for "
                              "(the prompt file changed); evaluate into another eval.output_dir")
         if rec is None:
-            rec = _decode_prompt(p, reference, [m[2] for m in methods], max_new, device)
+            rec = _decode_prompt(p, reference, [m[2] for m in methods], max_new, device, repeats)
             progress.append(rec)
         ref, vstats, v_sec = rec["vanilla"]["tokens"], rec["vanilla"]["stats"], rec["vanilla"]["seconds"]
+        last_ref[:] = ref
         van_tokens += len(ref)
         van_seconds += v_sec
         van_forwards += vstats["base_forwards"] + vstats["prefill_forwards"]
@@ -619,16 +677,21 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
             a["seconds"] += m_sec
             a["stats"].append(mstats)
             emitted = mstats.get("emitted_per_step")
-            row = {"id": p.id, "prompt_tokens": int(p.input_ids.numel()), "vanilla_tokens": len(ref),
+            row = {"id": p.id, "turn": p.turn, "category": p.category,
+                   "prompt_tokens": int(p.input_ids.numel()), "vanilla_tokens": len(ref),
                    "method_tokens": len(out), "match": match, "first_mismatch": first_diff,
                    "vanilla_seconds": v_sec, "method_seconds": m_sec,
                    "speedup": (v_sec / len(ref)) / (m_sec / len(out)) if out and ref and m_sec > 0 else None,
                    "tau": (sum(emitted) / len(emitted)) if emitted else None,
+                   "vanilla_seconds_repeats": rec["vanilla"].get("seconds_repeats", [v_sec]),
+                   "method_seconds_repeats": m.get("seconds_repeats", [m_sec]),
+                   "repeat_mismatch": sorted(set(rec["vanilla"].get("repeat_mismatch", []))
+                                             | set(m.get("repeat_mismatch", []))),
                    "stats": {k: v for k, v in mstats.items() if k != "emitted_per_step"}}
             if match is False:
                 row["vanilla_output"], row["method_output"] = ref, out
             a["rows"].append(row)
-            log.info("[%d/%d] %s%s: %d tokens, tau=%s, %s", i + 1, len(prompts), p.id, f" [{name}]" if name else "",
+            log.info("[%d] %s%s: %d tokens, tau=%s, %s", i + 1, p.id, f" [{name}]" if name else "",
                      len(out), f"{row['tau']:.2f}" if row["tau"] else "-",
                      "sampled" if match is None else "match" if match else f"MISMATCH at {first_diff}")
 
@@ -638,7 +701,7 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     for (name, vcfg, dec, info), a in zip(methods, acc):
         vdir = out_dir / name if name else out_dir
         vdir.mkdir(parents=True, exist_ok=True)
-        rep = _report(info, identity, device, model, vcfg.eval, prompts, skipped, max_new, eos_ids, vanilla,
+        rep = _report(info, identity, device, model, vcfg.eval, done, skipped, max_new, eos_ids, vanilla,
                       a["stats"], a["seconds"], a["tokens"], a["rows"], dec, vdir)
         if name:
             rep["variant"] = name
@@ -647,22 +710,39 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         atomic_write_bytes(vdir / "acceptance.png", plot(rep))
         reports[name] = rep
     failed = {n: r["parity"]["mismatched_ids"] for n, r in reports.items() if r["parity"]["mismatched_ids"]}
+    unstable = {n: r["timing"]["nonidentical_ids"] for n, r in reports.items() if r["timing"]["nonidentical_ids"]}
+    rows = [summary_row(n, r) for n, r in reports.items()]
     if methods[0][0] is None:
         result = reports[None]
     else:
         result = {"variants": reports, "output_dir": str(out_dir)}
-        atomic_write_json(out_dir / "summary.json", {"vanilla": vanilla, "variants": [summary_row(n, r) for n, r in reports.items()]})
-    if failed and ev.get("fail_on_mismatch", True):
+    atomic_write_json(out_dir / "summary.json", {"vanilla": vanilla, "variants": rows})
+    atomic_write_text(out_dir / "summary.md", summary_markdown(rows))
+    if (failed or unstable) and ev.get("fail_on_mismatch", True):
         where = "; ".join(f"{n + ': ' if n else ''}ids {', '.join(ids)}" for n, ids in failed.items())
+        where += "".join(f"; {n + ': ' if n else ''}repeats decoded other tokens on ids {', '.join(ids)}"
+                         for n, ids in unstable.items())
         raise ParityError(f"output differs from vanilla greedy decoding on {sum(map(len, failed.values()))} "
-                          f"prompt run(s) of {len(prompts)} prompts: {where} (details in report.json under {out_dir})")
+                          f"prompt run(s) of {len(done)} prompts: {where.lstrip('; ')} "
+                          f"(details in report.json under {out_dir})")
     return result
 
 
 def summary_row(name: str | None, report: dict[str, Any]) -> dict[str, Any]:
-    """One line of a results table from a report: τ, acceptance, passes, speedup, parity."""
+    """One line of a results table from a report: τ, acceptance, passes, speedup (and its mean ±
+    std over ``eval.repeats``), parity (overall and per turn), per-category τ and speedup, and the
+    decoding tree the report names (``tree`` in the report or its ``info``; None if none)."""
     m = report["method"]
-    return {"variant": name, "checkpoint": report["checkpoint"], "tau": report.get("tau"),
+    info = report.get("info") or {}
+    return {"variant": name, "head_type": report.get("head_type"), "checkpoint": report["checkpoint"],
+            "tau": report.get("tau"), "prompts": report.get("num_prompts"), "turns": report.get("turns"),
+            "speedup_repeats": (report.get("timing") or {}).get("speedup"),
+            "identical_repeat_tokens": (report.get("timing") or {}).get("identical_tokens"),
+            "tree": report.get("tree") or info.get("tree"),
+            "parity_per_turn": {t: f"{p['matched']}/{p['total']}" if p.get("checked") else "not checked"
+                                for t, p in (report.get("parity_per_turn") or {}).items()},
+            "per_category": {c: {"tau": g["tau"], "speedup": g["speedup"], "prompts": g["prompts"]}
+                             for c, g in (report.get("per_category") or {}).items()},
             "acceptance_per_depth": report.get("acceptance_per_depth"),
             "drafter_passes_per_step": report.get("drafter_passes_per_step"),
             "base_forwards_per_token": report["base_forwards_per_token"]["method"],

@@ -38,6 +38,9 @@ def check_train(cfg: DictConfig) -> None:
         raise ConfigError("train.max_steps / train.max_epochs must not be 0 (use -1 for 'no limit')")
     if cfg.train.max_steps == -1 and cfg.train.max_epochs == -1:
         raise ConfigError("train.max_steps and train.max_epochs are both -1: set at least one budget")
+    mt = cfg.train.get("max_time")
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, (int, float)) or not mt > 0):
+        raise ConfigError(f"train.max_time={mt!r} must be a number of seconds > 0 or null")
     _check_int(cfg, "train.batch_size", 1, nullable=True)
     _check_int(cfg, "train.max_tokens", 1, nullable=True)
     if cfg.train.batch_size is None and cfg.train.max_tokens is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
         **trainer_kwargs(cfg),
         max_steps=int(t.max_steps),
         max_epochs=int(t.max_epochs),
+        # train.max_time: a wall-clock budget (Lightning's Timer callback; its elapsed time is saved in
+        # the checkpoint, so a resumed run continues the same budget)
+        max_time=timedelta(seconds=float(t.max_time)) if t.get("max_time") is not None else None,
         accumulate_grad_batches=accumulate,
         val_check_interval=int(t.val_every_n_steps) * accumulate,
         check_val_every_n_epoch=None,
@@ -208,8 +212,11 @@ def export_checkpoints(trainer: pl.Trainer, module: DraftHeadModule, ckpt_cb, ru
         return {}
     head = module.head if head is None else head  # ZeRO: train.strategies.consolidated_head
     out: dict[str, Path] = {}
+    timer = next((c for c in trainer.callbacks if type(c).__name__ == "Timer"), None)  # train.max_time
     common = {"global_step": int(trainer.global_step), "epoch": int(trainer.current_epoch),
-              "monitor": module.monitor[0], "mode": module.monitor[1], "run_dir": str(run_dir)}
+              "monitor": module.monitor[0], "mode": module.monitor[1], "run_dir": str(run_dir),
+              # training wall-clock over all resumed segments (Lightning's Timer; only with train.max_time)
+              "train_seconds": float(timer.time_elapsed("train")) if timer is not None else None}
     out["last"] = export_head(head, run_dir / "last", identity, {**common, "checkpoint": "last"})
     best_path = ckpt_cb.best_model_path
     if best_path and Path(best_path).is_file():

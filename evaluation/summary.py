@@ -1,0 +1,151 @@
+"""``summary.md``: the markdown table of an evaluation (or of a comparison across heads).
+
+``python -m evaluation.summary OUT_DIR NAME=QUALITY_DIR[,TIMING_DIR] [...]`` combines reports
+of separate evaluations (one per head, since a run's variants share one head type) into
+``OUT_DIR/summary.md`` and ``OUT_DIR/summary.json`` (written atomically).  ``QUALITY_DIR`` holds the
+``report.json`` whose τ, acceptance, parity and per-category figures are used; the optional
+``TIMING_DIR`` holds the report of a repeated-timing run (``eval.repeats`` > 1, e.g. on a subset
+of the prompts, with all cores) whose speedup mean ± std replaces the quality run's.
+Exit status: 0, or 2 on an input error (the message names the directory).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from core.io import atomic_write_json, atomic_write_text
+
+USAGE = "usage: python -m evaluation.summary OUT_DIR NAME=QUALITY_DIR[,TIMING_DIR] [NAME=...]"
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def speedup_text(row: dict[str, Any]) -> str:
+    """``mean ± std (n=R)`` from ``speedup_repeats`` when it has a spread, else the single speedup."""
+    rep = row.get("speedup_repeats") or {}
+    if rep.get("std") is not None:
+        return f"{rep['mean']:.2f} ± {rep['std']:.2f} (n={rep['n']})"
+    return _f(row.get("speedup"))
+
+
+def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """A markdown document: the main table (one row per variant/head: training seconds and steps
+    when the rows carry ``train_seconds`` / ``train_steps``, prompts, τ, acceptance at
+    depth 1/2/3, base forwards per token, drafter time share, speedup mean ± std, tree, parity per
+    turn), then τ / speedup per category when the prompts carry categories.
+
+    Args:
+        rows: :func:`evaluation.runner.summary_row` dicts (``variant`` may be None: one method).
+    """
+    trained = any(r.get("train_steps") is not None for r in rows)  # rows of scripts/compare.py
+    head = (("| method | train (s) | steps | " if trained else "| method | ")
+            + "prompts | τ | acc@1 | acc@2 | acc@3 | base fwd/token | drafter share | speedup | tree | parity (per turn) |")
+    lines = ["# Evaluation summary", "",
+             "τ: tokens per base verification forward, bonus token included; acc@d: accepted / proposed at "
+             "draft depth d; speedup: method ÷ vanilla tokens/s, mean ± sample std over `eval.repeats` when "
+             "repeated.", "", head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        acc = list(r.get("acceptance_per_depth") or [])
+        acc += [None] * (3 - len(acc))
+        parity = r.get("parity", "-")
+        per_turn = r.get("parity_per_turn") or {}
+        if len(per_turn) > 1:
+            parity += " (" + ", ".join(f"t{t}: {v}" for t, v in per_turn.items()) + ")"
+        n_rep = (r.get("speedup_repeats") or {}).get("n") or 1
+        if r.get("identical_repeat_tokens") is False:
+            parity += "; repeats NOT identical"
+        elif r.get("identical_repeat_tokens") and n_rep > 1:
+            parity += f"; {n_rep} repeats identical"
+        name = r.get("variant") or r.get("head_type") or "-"
+        tree = r.get("tree")
+        train = f"{_f(r.get('train_seconds'), '{:.0f}')} | {_f(r.get('train_steps'), '{}')} | " if trained else ""
+        lines.append(f"| {name} | {train}{_f(r.get('prompts'), '{}')} | {_f(r.get('tau'))} | "
+                     + " | ".join(_f(a) for a in acc[:3])
+                     + f" | {_f(r.get('base_forwards_per_token'), '{:.3f}')} | {_f(r.get('drafter_time_share'))} | "
+                       f"{speedup_text(r)} | {'-' if tree is None else json.dumps(tree)} | {parity} |")
+    cats = []
+    for r in rows:
+        cats += [c for c in (r.get("per_category") or {}) if c not in cats]
+    if cats and cats != ["-"]:
+        names = [r.get("variant") or r.get("head_type") or "-" for r in rows]
+        lines += ["", "## τ / speedup per category", "", "| category | " + " | ".join(names) + " |",
+                  "|" + "---|" * (len(names) + 1)]
+        for c in cats:
+            cells = []
+            for r in rows:
+                g = (r.get("per_category") or {}).get(c)
+                cells.append("-" if g is None else f"{_f(g['tau'])} / {_f(g['speedup'])}")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _load(path: Path) -> dict[str, Any]:
+    f = path / "report.json"
+    if not f.is_file():
+        raise ValueError(f"{path}: no report.json (did that evaluation finish?)")
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{f}: unreadable report ({exc})") from None
+
+
+def combine(entries: Sequence[tuple[str, Path, Path | None]]) -> list[dict[str, Any]]:
+    """Summary rows for ``[(name, quality_dir, timing_dir or None)]``.
+
+    Raises:
+        ValueError: a directory has no readable ``report.json``; a timing report ran another
+            checkpoint than its quality report, or a name repeats (the message names it).
+    """
+    from evaluation.runner import summary_row
+
+    rows, seen = [], set()
+    for name, qdir, tdir in entries:
+        if name in seen:
+            raise ValueError(f"duplicate name {name!r}")
+        seen.add(name)
+        row = summary_row(name, _load(Path(qdir)))
+        if tdir is not None:
+            t = _load(Path(tdir))
+            if t["checkpoint"] != row["checkpoint"]:
+                raise ValueError(f"{name}: timing report {tdir} evaluated {t['checkpoint']}, "
+                                 f"not {row['checkpoint']} like {qdir}")
+            timing = t.get("timing") or {}
+            row.update(speedup=t.get("speedup"), speedup_repeats=timing.get("speedup"),
+                       identical_repeat_tokens=timing.get("identical_tokens"), timing_prompts=t.get("num_prompts"),
+                       timing_threads=t.get("threads"), tokens_per_s=(t.get("method") or {}).get("tokens_per_s"))
+        rows.append(row)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return 0
+    if len(args) < 2 or any("=" not in a for a in args[1:]):
+        print(USAGE, file=sys.stderr)
+        return 2
+    entries = []
+    for a in args[1:]:
+        name, dirs = a.split("=", 1)
+        parts = dirs.split(",")
+        entries.append((name, Path(parts[0]), Path(parts[1]) if len(parts) > 1 and parts[1] else None))
+    try:
+        rows = combine(entries)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args[0])
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "summary.json", {"rows": rows})
+    atomic_write_text(out / "summary.md", summary_markdown(rows))
+    print((out / "summary.md").read_text(encoding="utf-8"), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

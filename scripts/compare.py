@@ -1,0 +1,294 @@
+"""The comparison of record in one command (issue 18): ``python scripts/compare.py [--dry-run] [key=value ...]``.
+
+Reads ``configs/compare.yaml`` (``--config FILE`` for another; ``key=value`` overrides it,
+omegaconf dotlist) and runs, each stage as a subprocess of this repository's entry points:
+
+1. ``python -m data_prep`` once: one cache (``<output_dir>/cache``) for every head;
+2. per head, ``python -m train heads=<head>`` with ``train.max_time=<train_max_time>`` (the same
+   wall-clock budget for every head), into ``<output_dir>/runs/<head>/compare-<name>``;
+3. per head, the evaluation protocol on ``best/`` (else ``last/``): ``eval.shards`` processes
+   (one thread each) decode disjoint question ranges, every turn, for τ and parity;
+   ``python -m evaluation.merge`` joins them and one resumed pass writes the report
+   (``eval/<name>/quality``); then a timing run on ``eval.timing_per_category`` questions per
+   category with ``eval.repeats`` rounds on ``eval.timing_threads`` threads (``eval/<name>/timing``);
+4. ``summary.md`` / ``summary.json`` in ``<output_dir>`` (:mod:`evaluation.summary`) with the
+   training steps and seconds of each head.
+
+Resume: a finished stage leaves ``<output_dir>/stages/<stage>.done`` and is skipped; an
+interrupted one is run again with ``resume=auto`` (data prep skips finished shards, training
+continues from ``last.ckpt`` with the time already spent, evaluations keep decoded prompts).  Each
+stage's output goes to ``<output_dir>/logs/<stage>.log``.  A head whose ``configs/heads/<head>.yaml``
+or registered head type does not exist yet is skipped with a message.  ``--dry-run`` prints the
+stages and their commands without running anything.
+
+Exit status: 0; 1 when a head's outputs differ from vanilla greedy decoding (the reports and the
+summary are still written); 2 on a bad configuration (before anything runs); a failed stage's own
+exit status otherwise (its log is named; run again to resume).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from core.config import UserInputError  # noqa: E402
+from core.io import atomic_write_json  # noqa: E402
+
+DEFAULT_CONFIG = ROOT / "configs" / "compare.yaml"
+
+
+def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
+    """The driver config: ``path`` with dotlist ``overrides`` merged.
+
+    Raises:
+        UserInputError: the file is missing, an override names an unknown key, or a value is
+            invalid (the key is named).
+    """
+    if not path.is_file():
+        raise UserInputError(f"--config {path}: file not found")
+    cfg = OmegaConf.load(path)
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if "=" not in o or OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+            raise UserInputError(f"{o!r}: not a key=value override of a key in {path.name}")
+    cfg.merge_with_dotlist(list(overrides))
+    if not (isinstance(cfg.train_max_time, (int, float)) and cfg.train_max_time > 0):
+        raise UserInputError(f"train_max_time={cfg.train_max_time!r} must be a number of seconds > 0")
+    for key in ("shards", "repeats", "prompts_per_category", "timing_per_category", "max_new_tokens"):
+        v = cfg.eval[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise UserInputError(f"eval.{key}={v!r} must be an integer >= 1")
+    if not Path(str(cfg.eval.prompts)).is_file():
+        raise UserInputError(f"eval.prompts={cfg.eval.prompts!r}: file not found")
+    # relative paths are the caller's; the stages run in the repository root
+    cfg.eval.prompts = str(Path(str(cfg.eval.prompts)).resolve())
+    cfg.output_dir = str(Path(str(cfg.output_dir)).resolve())
+    for name in cfg.heads_to_run:
+        if name not in cfg.heads:
+            raise UserInputError(f"heads_to_run: {name!r} has no entry under heads (have {', '.join(cfg.heads)})")
+    return cfg
+
+
+def head_available(head: str) -> str | None:
+    """None when ``heads=<head>`` can run, else why not (no config file, or type not registered)."""
+    path = ROOT / "configs" / "heads" / f"{head}.yaml"
+    if not path.is_file():
+        return f"no configs/heads/{head}.yaml"
+    from heads.registry import head_class
+
+    head_type = OmegaConf.load(path).get("type")
+    try:
+        head_class(str(head_type))
+    except KeyError:
+        return f"head type {head_type!r} is not registered in heads/"
+    return None
+
+
+def count_questions(prompts: str, per_category: int) -> int:
+    """Questions the protocol selects: the first ``per_category`` records of each category."""
+    from evaluation.prompts import read_jsonl_records
+
+    taken: dict[Any, int] = {}
+    for rec in read_jsonl_records(prompts):
+        taken[rec["category"]] = min(per_category, taken.get(rec["category"], 0) + 1)
+    return sum(taken.values())
+
+
+class Driver:
+    """Runs the stages of one comparison (see the module docstring)."""
+
+    def __init__(self, cfg: DictConfig, dry_run: bool = False) -> None:
+        self.cfg, self.dry_run = cfg, dry_run
+        self.out = Path(str(cfg.output_dir))
+        self.py = sys.executable
+        self.parity_failures: list[str] = []
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _done(self, stage: str) -> Path:
+        return self.out / "stages" / f"{stage}.done"
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env.setdefault("WANDB_MODE", "offline")
+        return env
+
+    def run_stage(self, stage: str, commands: list[list[str]], ok_codes=(0,)) -> int:
+        """Run ``commands`` in parallel (one process each) unless ``stage`` is done; returns the
+        worst exit status (0 when skipped).  Exits the driver on a status not in ``ok_codes``."""
+        done = self._done(stage)
+        if done.is_file():
+            print(f"[skip] {stage}: done earlier ({done})")
+            return json.loads(done.read_text()).get("status", 0)
+        print(f"[run ] {stage}" + ("" if len(commands) == 1 else f" ({len(commands)} processes in parallel)"))
+        for c in commands:
+            print("       " + " ".join(_quote(a) for a in c))
+        if self.dry_run:
+            return 0
+        logs = self.out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        procs = []
+        for k, c in enumerate(commands):
+            log = open(logs / (f"{stage}.log" if len(commands) == 1 else f"{stage}.{k}.log"), "a", encoding="utf-8")
+            log.write(f"\n$ {' '.join(_quote(a) for a in c)}\n")
+            log.flush()
+            procs.append((subprocess.Popen(c, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT), log))
+        codes = []
+        for p, log in procs:
+            codes.append(p.wait())
+            log.close()
+        status = max(codes, key=lambda c: (c not in ok_codes, abs(c)))
+        if status not in ok_codes:
+            print(f"error: stage {stage} failed with exit status {status}; see {logs}/{stage}*.log, "
+                  "then run the same command again to resume", file=sys.stderr)
+            raise SystemExit(status)
+        atomic_write_json(done, {"status": status, "seconds": time.time() - t0, "commands": commands})
+        return status
+
+    # -- stages ---------------------------------------------------------------------------------
+    def cache_dir(self) -> Path:
+        return self.out / "cache"
+
+    def prepare(self) -> None:
+        c = self.cfg
+        self.run_stage("prep", [[self.py, "-m", "data_prep", *c.common, *c.prep, f"prep.cache_dir={self.cache_dir()}",
+                                 "prep.progress=false", f"output_root={self.out}"]])
+
+    def head_args(self, name: str) -> list[str]:
+        h = self.cfg.heads[name]
+        return [f"heads={h.head}", *self.cfg.common, *h.overrides]
+
+    def run_dir(self, name: str) -> Path:
+        """``<output_dir>/runs/<heads option>/compare-<name>`` (:func:`train.run.runs_root`)."""
+        return self.out / "runs" / str(self.cfg.heads[name].head) / f"compare-{name}"
+
+    def train(self, name: str) -> None:
+        c = self.cfg
+        self.run_stage(f"train-{name}", [[self.py, "-m", "train", *self.head_args(name), *c.train,
+                                          f"train.max_time={c.train_max_time}", f"train.cache_dir={self.cache_dir()}",
+                                          f"train.run_name=compare-{name}", f"output_root={self.out}", "resume=auto",
+                                          "train.progress_bar=false"]])
+
+    def checkpoint(self, name: str) -> Path:
+        run = self.run_dir(name)
+        return run / "best" if (run / "best" / "model.safetensors").is_file() or self.dry_run else run / "last"
+
+    def evaluate(self, name: str) -> None:
+        c, e = self.cfg, self.cfg.eval
+        base = [self.py, "-m", "evaluation", *self.head_args(name), *c.heads[name].eval, *e.overrides,
+                f"eval.checkpoint={self.checkpoint(name)}", f"eval.prompts={e.prompts}", f"eval.turns={e.turns}",
+                f"eval.max_new_tokens={e.max_new_tokens}", f"output_root={self.out}", "resume=auto"]
+        n = count_questions(str(e.prompts), int(e.prompts_per_category))
+        per = math.ceil(n / int(e.shards))
+        qdir = self.out / "eval" / name / "quality"
+        quality = base + [f"eval.prompts_per_category={e.prompts_per_category}"]
+        shard_dirs = [self.out / "eval" / name / f"shard{k}" for k in range(int(e.shards)) if k * per < n]
+        ok = (0, 1)  # 1 = parity failure: the reports are written; the summary shows it
+        codes = [self.run_stage(f"eval-{name}-shards", [
+            quality + [f"eval.prompt_offset={k * per}", f"eval.num_prompts={per}", "eval.threads=1",
+                       f"eval.output_dir={d}"] for k, d in enumerate(shard_dirs)], ok)]
+        self.run_stage(f"eval-{name}-merge", [[self.py, "-m", "evaluation.merge", "--no-report", str(qdir),
+                                                          *map(str, shard_dirs)]])
+        codes.append(self.run_stage(f"eval-{name}-report", [quality + [
+            "eval.prompt_offset=0", f"eval.num_prompts={n}", f"eval.output_dir={qdir}", "eval.threads=1"]], ok))
+        threads = e.timing_threads or os.cpu_count() or 1
+        codes.append(self.run_stage(f"eval-{name}-timing", [base + [
+            f"eval.prompts_per_category={e.timing_per_category}", f"eval.repeats={e.repeats}",
+            f"eval.threads={threads}", f"eval.output_dir={self.out / 'eval' / name / 'timing'}"]], ok))
+        if any(codes):
+            self.parity_failures.append(name)
+
+    def training_record(self, name: str) -> dict[str, Any]:
+        """Steps and training seconds of a head's run (the ``extra`` of its exported ``last/`` and
+        of the evaluated checkpoint; ``train_seconds`` is Lightning's Timer over all resumed segments)."""
+        out: dict[str, Any] = {}
+        for key, d in (("last", self.run_dir(name) / "last"), ("evaluated", self.checkpoint(name))):
+            f = d / "config.json"
+            if f.is_file():
+                extra = json.loads(f.read_text(encoding="utf-8")).get("extra") or {}
+                if key == "last":
+                    out.update(train_steps=extra.get("global_step"), train_seconds=extra.get("train_seconds"))
+                else:
+                    out.update(evaluated_checkpoint=str(d), evaluated_step=extra.get("global_step"))
+        return out
+
+    def summarize(self, names: list[str]) -> None:
+        from core.io import atomic_write_text
+        from evaluation.summary import combine, summary_markdown
+
+        entries = [(n, self.out / "eval" / n / "quality", self.out / "eval" / n / "timing") for n in names]
+        print(f"[run ] summary of {', '.join(names)} -> {self.out / 'summary.md'}")
+        if self.dry_run or not names:
+            return
+        rows = combine(entries)
+        for row, n in zip(rows, names):
+            row.update(self.training_record(n))
+        atomic_write_json(self.out / "summary.json", {"rows": rows, "config": OmegaConf.to_container(self.cfg)})
+        atomic_write_text(self.out / "summary.md", summary_markdown(rows))
+        print((self.out / "summary.md").read_text(encoding="utf-8"), end="")
+
+    def run(self) -> int:
+        names = []
+        for name in self.cfg.heads_to_run:
+            why = head_available(str(self.cfg.heads[name].head))
+            if why:
+                print(f"[skip] {name}: heads={self.cfg.heads[name].head} is not available yet ({why})")
+            else:
+                names.append(str(name))
+        if not names:
+            raise UserInputError("no head of heads_to_run is available")
+        self.prepare()
+        for name in names:
+            self.train(name)
+        for name in names:
+            self.evaluate(name)
+        self.summarize(names)
+        if self.parity_failures:
+            print(f"PARITY FAILURE in {', '.join(self.parity_failures)} (see eval/<name>/*/report.json)", file=sys.stderr)
+            return 1
+        return 0
+
+
+def _quote(a: str) -> str:
+    import shlex
+
+    return shlex.quote(str(a))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return 0
+    dry = "--dry-run" in args
+    args = [a for a in args if a != "--dry-run"]
+    config = DEFAULT_CONFIG
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            print("error: --config needs a file", file=sys.stderr)
+            return 2
+        config = Path(args[i + 1])
+        del args[i:i + 2]
+    try:
+        cfg = load_config(config, args)
+        return Driver(cfg, dry_run=dry).run()
+    except (UserInputError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
