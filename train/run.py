@@ -275,7 +275,8 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     else:
         check_resume_config(cfg, run_dir)
     try:  # a bad heads/train value is the user's to fix: one line, and no run directory left behind
-        module = DraftHeadModule(cfg.heads, cfg.train, base_model=model)
+        head = heads.build(cfg.heads, model, **draft_vocab_source(cfg, datamodule))
+        module = DraftHeadModule(cfg.heads, cfg.train, head=head)
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc
     check_cache_layers(module.head, datamodule)
@@ -310,6 +311,32 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
 def _checkpoint_step(path: str | os.PathLike) -> int:
     """``global_step`` recorded in a Lightning checkpoint written by this project (metadata only)."""
     return int(SafetensorsCheckpointIO().load_checkpoint(path).get("global_step", 0))
+
+
+def draft_vocab_source(cfg: DictConfig, datamodule) -> dict[str, Any]:
+    """``heads.build`` keywords for the draft vocabulary: the training split's label counts
+    (``<cache>/train/label_counts.safetensors``, or a scan of older caches; no base forward) and
+    the cache they came from.  Empty when ``heads.draft_vocab_size`` is null.
+
+    Raises:
+        UserInputError: the counts cannot be read or scanned (names the cache file).
+    """
+    if cfg.heads.get("draft_vocab_size") is None:
+        return {}
+    from data_prep.label_counts import load_counts
+
+    reader = getattr(datamodule, "train_reader", None)
+    directory = getattr(reader, "directory", None)
+    if directory is None and getattr(datamodule, "cache_dir", None) is not None:
+        directory = Path(datamodule.cache_dir) / "train"
+    if directory is None:
+        raise UserInputError("heads.draft_vocab_size is set but the training data has no cache directory "
+                             "to read label counts from")
+    try:
+        counts = load_counts(directory)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserInputError(f"heads.draft_vocab_size needs label counts: {exc}") from exc
+    return {"label_counts": counts, "counts_source": str(Path(directory).parent)}
 
 
 def check_cache_layers(head, datamodule) -> None:
