@@ -102,7 +102,8 @@ class DraftHead(nn.Module):
 
     # -- draft vocabulary (heads.draft_vocab; FR-Spec / EAGLE-3 d2t) ---------------------------
     def _init_draft_vocab(self) -> None:
-        """Read ``heads.draft_vocab_size`` (null = full vocabulary) and register the mapping buffers.
+        """Read ``heads.draft_vocab_size`` (null = full vocabulary, ``auto`` = :data:`heads.draft_vocab.AUTO_SIZE`
+        when V is larger) and register the mapping buffers.
 
         With N set, ``d2t`` int64 [N] and ``t2d`` bool [V] are *persistent* buffers (so they are in
         ``model.safetensors`` and in every Lightning checkpoint; never trained, never sharded by
@@ -117,6 +118,7 @@ class DraftHead(nn.Module):
 
         self.cfg.setdefault("draft_vocab_size", None)
         self.draft_vocab_size = check_size(self.cfg["draft_vocab_size"], self.vocab_size)
+        self.cfg["draft_vocab_size"] = self.draft_vocab_size  # "auto" resolved: config.json holds N or null
         if self.draft_vocab_size is not None:
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.zeros(self.vocab_size, dtype=torch.bool))

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "AUTO_SIZE",
     "check_size",
     "select_d2t",
     "validate_d2t",
@@ -44,27 +45,35 @@ __all__ = [
 ]
 
 
-def check_size(size: int | None, vocab_size: int, key: str = "heads.draft_vocab_size") -> int | None:
+#: N chosen by ``heads.draft_vocab_size: auto`` (the configs' default) when the base vocabulary is
+#: larger; see the README section "Draft vocabulary" for the measurements behind it.
+AUTO_SIZE = 8192
+
+
+def check_size(size: int | str | None, vocab_size: int, key: str = "heads.draft_vocab_size") -> int | None:
     """Validate a configured draft-vocabulary size N against the base vocabulary size V.
 
     Args:
-        size: N, or None for the full vocabulary.
+        size: N, None for the full vocabulary, or ``"auto"``: :data:`AUTO_SIZE` if it is smaller
+            than V, else the full vocabulary (so small test vocabularies stay full).
         vocab_size: V (the base model's ``config.vocab_size``).
         key: the config key named in the error.
 
     Returns:
-        ``None`` when ``size`` is None, otherwise ``int(size)``.
+        ``None`` for the full vocabulary, otherwise N as an int.
 
     Raises:
-        ValueError: ``size`` is not an integer, ``< 2`` or ``> V``.
+        ValueError: ``size`` is not an integer, ``< 2`` or ``> V`` (and not null / ``auto``).
     """
+    if size == "auto":
+        return AUTO_SIZE if AUTO_SIZE < int(vocab_size) else None
     if size is None:
         return None
     if isinstance(size, bool) or not isinstance(size, int) and not (isinstance(size, float) and size.is_integer()):
-        raise ValueError(f"{key}={size!r}: expected an integer in [2, {vocab_size}] or null (full vocabulary)")
+        raise ValueError(f"{key}={size!r}: expected an integer in [2, {vocab_size}], auto or null (full vocabulary)")
     n = int(size)
     if n < 2 or n > int(vocab_size):
-        raise ValueError(f"{key}={n}: must be in [2, {vocab_size}] (the base vocabulary size) or null")
+        raise ValueError(f"{key}={n}: must be in [2, {vocab_size}] (the base vocabulary size), auto or null")
     return n
 
 

@@ -112,3 +112,8 @@ def test_coverage():
     counts = torch.tensor([3, 0, 7, 7, 1, 2])
     assert dv.coverage(counts, torch.tensor([2, 3])) == pytest.approx(14 / 20)
     assert dv.coverage(counts, None) == 1.0
+
+
+def test_auto_size_is_full_for_small_vocabularies():
+    assert dv.check_size("auto", 384) is None  # the tiny test model keeps its full vocabulary
+    assert dv.check_size("auto", 49152) == dv.AUTO_SIZE < 49152

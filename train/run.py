@@ -275,7 +275,7 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     else:
         check_resume_config(cfg, run_dir)
     try:  # a bad heads/train value is the user's to fix: one line, and no run directory left behind
-        head = heads.build(cfg.heads, model, **draft_vocab_source(cfg, datamodule))
+        head = heads.build(cfg.heads, model, **draft_vocab_source(cfg, datamodule, int(model.config.vocab_size)))
         module = DraftHeadModule(cfg.heads, cfg.train, head=head)
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc
@@ -313,15 +313,18 @@ def _checkpoint_step(path: str | os.PathLike) -> int:
     return int(SafetensorsCheckpointIO().load_checkpoint(path).get("global_step", 0))
 
 
-def draft_vocab_source(cfg: DictConfig, datamodule) -> dict[str, Any]:
+def draft_vocab_source(cfg: DictConfig, datamodule, vocab_size: int) -> dict[str, Any]:
     """``heads.build`` keywords for the draft vocabulary: the training split's label counts
     (``<cache>/train/label_counts.safetensors``, or a scan of older caches; no base forward) and
-    the cache they came from.  Empty when ``heads.draft_vocab_size`` is null.
+    the cache they came from.  Empty when ``heads.draft_vocab_size`` resolves to the full
+    vocabulary (null, or ``auto`` with V <= :data:`heads.draft_vocab.AUTO_SIZE`).
 
     Raises:
         UserInputError: the counts cannot be read or scanned (names the cache file).
     """
-    if cfg.heads.get("draft_vocab_size") is None:
+    from heads.draft_vocab import check_size
+
+    if check_size(cfg.heads.get("draft_vocab_size"), vocab_size) is None:  # full vocabulary (raises on a bad N)
         return {}
     from data_prep.label_counts import load_counts
 
