@@ -20,6 +20,7 @@ Usage::
     python benchmarks/bench_draft_vocab.py                                   # synthetic batches
     python benchmarks/bench_draft_vocab.py --cache /work/outputs/cache/real_tf640 --heads ctc,falcon_k1
     python benchmarks/bench_draft_vocab.py --coverage-only --cache /work/outputs/cache/real_tf640
+    python benchmarks/bench_draft_vocab.py --partial-cache /work/outputs/cache/real_tf640   # cache still being written
 
 Prints Markdown tables and writes them (plus JSON) to ``--out``.
 """
@@ -42,9 +43,36 @@ HEADS = ("ctc", "falcon", "falcon_noglance", "falcon_k1", "adadecode")
 SIZES = (4096, 8192, 16384, None)
 
 
+PARTIAL: dict = {}  # set by --partial-cache: {"dir", "heldout_shards", "vocab_size"}
+
+
+def partial_counts(cache: Path, heldout_shards: int, vocab_size: int):
+    """Counts from the *finished* shards of a cache still being written (no manifest yet): the
+    training counts from all but the last ``heldout_shards`` finished train shards, the held-out
+    proxy counts from those last shards (disjoint conversations, but not the held-out split)."""
+    from safetensors import safe_open
+
+    from data_prep.label_counts import count_labels
+
+    done = sorted(p.with_suffix(".safetensors") for p in (cache / "train").glob("shard-*.json"))
+    if len(done) <= heldout_shards:
+        raise SystemExit(f"{cache}/train has {len(done)} finished shards; need more than {heldout_shards}")
+    per = []
+    for path in done:
+        with safe_open(str(path), framework="pt") as f:
+            per.append(count_labels(f.get_tensor("labels"), f.get_tensor("loss_mask"), vocab_size))
+    train = torch.stack(per[:-heldout_shards]).sum(0)
+    held = torch.stack(per[-heldout_shards:]).sum(0)
+    PARTIAL["desc"] = (f"{cache}: {len(done) - heldout_shards} finished train shards for the mapping, the next "
+                       f"{heldout_shards} as the held-out proxy (cache still being written)")
+    return train, held
+
+
 def load_counts(cache: Path | None):
     from data_prep.label_counts import load_counts as load
 
+    if PARTIAL:
+        return partial_counts(PARTIAL["dir"], PARTIAL["heldout_shards"], PARTIAL["vocab_size"])
     if cache is None:
         return None, None
     return load(cache / "train"), load(cache / "val")
@@ -165,12 +193,58 @@ def time_heads(args) -> dict:
             "batches": "cache " + str(args.cache) if args.cache else "synthetic", "heads": results}
 
 
+def drafting(args) -> dict:
+    """Drafter share of decoding time at each N: untrained heads (drafting cost does not depend on
+    the weights) decode MT-bench first turns losslessly through ``SpeculativeDecoder``; the share is
+    Σ drafter_seconds / Σ seconds over the prompts, sizes interleaved per prompt, parity checked."""
+    import heads
+    from core.base_model import load_base_model
+    from core.config import compose
+    from decoding.speculative import SpeculativeDecoder
+    from decoding.vanilla import eos_token_ids, greedy_generate
+    from evaluation.prompts import template
+
+    torch.set_num_threads(args.threads)
+    base, tok, _ = load_base_model(compose([]).model)
+    V = int(base.config.vocab_size)
+    train_counts, _ = load_counts(args.cache or args.counts_cache)
+    counts = train_counts if train_counts is not None else torch.randperm(
+        V, generator=torch.Generator().manual_seed(0)).to(torch.int64)
+    rows = [json.loads(l) for l in Path(args.prompts).read_text().splitlines() if l.strip()][: args.num_prompts]
+    prompts = [template(tok, [{"role": "user", "content": r["turns"][0]}]) for r in rows]
+    eos = eos_token_ids(tok, base)
+    refs = [greedy_generate(base, p, args.max_new_tokens, eos)[0] for p in prompts]
+    out = {}
+    for name in args.draft_heads:
+        decs = {}
+        for size in args.sizes:
+            torch.manual_seed(args.seed)
+            head = heads.build(head_cfg(name, size), base, label_counts=counts if size else None).eval()
+            decs[size] = SpeculativeDecoder(base, head.make_drafter(base), eos)
+        tot = {size: {"drafter_seconds": 0.0, "seconds": 0.0, "steps": 0} for size in args.sizes}
+        for i, p in enumerate(prompts):
+            order = list(args.sizes[i % len(args.sizes):]) + list(args.sizes[: i % len(args.sizes)])
+            for size in order:
+                toks, st = decs[size].generate(p, args.max_new_tokens)
+                if toks != refs[i]:
+                    raise SystemExit(f"parity failure: {name} N={size} prompt {i}")
+                for k in tot[size]:
+                    tot[size][k] += st[k]
+        out[name] = {("full" if size is None else str(size)): {
+            "drafter_share": t["drafter_seconds"] / t["seconds"], "drafter_ms_per_step": 1000 * t["drafter_seconds"] / t["steps"],
+            "steps": t["steps"]} for size, t in tot.items()}
+        print(f"{name}: " + ", ".join(f"{k} share {v['drafter_share']:.3f} ({v['drafter_ms_per_step']:.1f} ms/step)"
+                                       for k, v in out[name].items()), flush=True)
+    return {"prompts": f"{args.prompts} first {len(prompts)} first turns", "max_new_tokens": args.max_new_tokens,
+            "threads": args.threads, "parity": f"{len(prompts)}/{len(prompts)} per head and N", "heads": out}
+
+
 def coverage(args) -> dict:
     from data_prep.label_counts import coverage_table
 
     train, val = load_counts(args.cache or args.counts_cache)
     sizes = [2048, 4096, 8192, 16384, 32768]
-    return {"cache": str(args.cache or args.counts_cache), "train_labels": int(train.sum()),
+    return {"cache": PARTIAL.get("desc") or str(args.cache or args.counts_cache), "train_labels": int(train.sum()),
             "heldout_labels": int(val.sum()), "rows": coverage_table(train, val, sizes)}
 
 
@@ -195,6 +269,15 @@ def markdown(res: dict) -> str:
             lines.append(f"| {name} | " + " | ".join(
                 f"{rows[s]['steps_per_s']:.2f}/s ({rows[s]['speedup_vs_full']:.2f}×, OOV {100 * rows[s]['oov_rate']:.1f}%)"
                 for s in sizes) + " |")
+    if "drafting" in res:
+        d = res["drafting"]
+        sizes = list(next(iter(d["heads"].values())).keys())
+        lines += ["", f"Drafter share of decoding time (untrained heads, default trees, {d['prompts']}, "
+                  f"{d['max_new_tokens']} tokens, {d['threads']} thread(s), wall clock, parity {d['parity']}):", "",
+                  "| head | " + " | ".join(f"N={s}" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
+        for name, rows in d["heads"].items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{rows[s]['drafter_share']:.3f} ({rows[s]['drafter_ms_per_step']:.1f} ms/step)" for s in sizes) + " |")
     return "\n".join(lines)
 
 
@@ -213,16 +296,31 @@ def main(argv=None) -> None:
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="cpu: process CPU time per step (robust on a shared machine); wall: wall-clock")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--partial-cache", type=Path, default=None,
+                   help="label counts from the finished shards of a cache still being written")
+    p.add_argument("--heldout-shards", type=int, default=1)
+    p.add_argument("--vocab-size", type=int, default=49152, help="V for --partial-cache")
     p.add_argument("--coverage-only", action="store_true")
+    p.add_argument("--drafting", action="store_true", help="also measure the drafter share of decoding time")
+    p.add_argument("--drafting-only", action="store_true")
+    p.add_argument("--draft-heads", default="ctc,falcon_k1")
+    p.add_argument("--prompts", default="/work/shared/data/mt_bench_questions.jsonl")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "draft_vocab")
     args = p.parse_args(argv)
     args.heads = [h for h in args.heads.split(",") if h]
     args.sizes = [None if s == "full" else int(s) for s in args.sizes.split(",")]
     res = {"argv": sys.argv[1:] if argv is None else list(argv)}
-    if args.cache or args.counts_cache:
+    if args.partial_cache:
+        PARTIAL.update({"dir": args.partial_cache, "heldout_shards": args.heldout_shards, "vocab_size": args.vocab_size})
+    if args.cache or args.counts_cache or args.partial_cache:
         res["coverage"] = coverage(args)
-    if not args.coverage_only:
+    args.draft_heads = [h for h in args.draft_heads.split(",") if h]
+    if not (args.coverage_only or args.drafting_only):
         res["train"] = time_heads(args)
+    if args.drafting or args.drafting_only:
+        res["drafting"] = drafting(args)
     text = markdown(res)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
