@@ -12,9 +12,13 @@ A draft head is an ``nn.Module`` that
   (see ``data_prep.cache.collate`` for the batch keys and shapes);
 * builds a drafter for the lossless speculative-decoding runtime in ``decoding/``.
 
+* optionally drafts over a draft vocabulary of N frequent tokens (``heads.draft_vocab_size``,
+  :mod:`heads.draft_vocab`): :meth:`DraftHead.draft_lm_head` scores the frozen rows W[d2t].
+
 Checkpoint format (written by :func:`heads.save`, read by :func:`heads.load`): a directory with
-``model.safetensors`` (trainable head weights only) and ``config.json`` (head type, every
-hyperparameter, the base model's identity and vocab size).
+``model.safetensors`` (trainable head weights only, plus ``d2t`` / ``t2d`` with a draft
+vocabulary) and ``config.json`` (head type, every hyperparameter incl. ``draft_vocab_size`` and
+``draft_vocab``, the base model's identity and vocab size).
 """
 from __future__ import annotations
 
