@@ -47,7 +47,7 @@ __all__ = [
 
 #: N chosen by ``heads.draft_vocab_size: auto`` (the configs' default) when the base vocabulary is
 #: larger; see the README section "Draft vocabulary" for the measurements behind it.
-AUTO_SIZE = 8192
+AUTO_SIZE = 16384
 
 
 def check_size(size: int | str | None, vocab_size: int, key: str = "heads.draft_vocab_size") -> int | None:
