@@ -22,6 +22,7 @@ import torch
 from core.config import UserInputError, save_config
 from core.io import atomic_write_json
 from data_prep import cache as cache_mod
+from data_prep import label_counts
 from data_prep.labels import forward_features, regenerate
 from data_prep.sharegpt import Conversation, ReadStats, iter_conversations
 from data_prep.split import is_heldout
@@ -292,11 +293,17 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         n = math.ceil(len(getattr(data, split)) / S)
         (root / split).mkdir(parents=True, exist_ok=True)
         manifests[split] = cache_mod.write_manifest(root / split, n, {**header, "split": split})
+        if manifests[split] is not None:  # Σ over the shards' labels: the same bytes from any rank
+            label_counts.write_split_counts(root / split)
     summary = _summary(root, data, manifests)
     if all(m is not None for m in manifests.values()):
         atomic_write_json(root / "summary.json", {k: v for k, v in summary.items() if k != "cache_dir"})
     if out is not None:
         print(format_summary(summary), file=out)
+        if summary["complete"]:
+            counts = {split: label_counts.load_counts(root / split, scan=False) for split in SPLITS}
+            rows = label_counts.coverage_table(counts["train"], counts["val"])
+            print(label_counts.format_coverage(rows, int(counts["val"].sum())), file=out)
     if summary["complete"]:
         empty = [k for k, v in summary["splits"].items() if not v["conversations"]]
         if summary["conversations"] == 0:

@@ -166,6 +166,12 @@ class AdaDecodeDecoder:
         p = next(base_model.parameters())
         self.transforms = {layer: head.transforms[str(layer)].weight.detach().to(p.device, p.dtype)
                            for layer in self.exit_layers}
+        # draft vocabulary (issue 13): the exits score only W[d2t] (N rows) and map back through d2t;
+        # verification below still uses the full LM head, so the output is unchanged
+        self.d2t = head.d2t.detach().to(p.device) if head.draft_vocab_size is not None else None
+        self.exit_weight = (self.lm_head.weight.detach().index_select(0, self.d2t) if self.d2t is not None
+                            else self.lm_head.weight.detach())
+        self.vocab_size = int(self.lm_head.weight.shape[0])
         if eos_token_ids is None:
             src = getattr(getattr(base_model, "generation_config", None), "eos_token_id", None)
             src = base_model.config.eos_token_id if src is None else src
@@ -180,23 +186,33 @@ class AdaDecodeDecoder:
 
     # -- pieces --------------------------------------------------------------------------------
     def head_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """z^(ℓ) = W·T_ℓ·norm(h) for h [..., H] (model dtype) -> [..., V]."""
-        return self.lm_head(self.norm(h) @ self.transforms[layer].T)
+        """z^(ℓ) = W·T_ℓ·norm(h) for h [..., H] (model dtype) -> [..., V], or [..., N] over the draft
+        vocabulary (W = W[d2t], column i = base token ``d2t[i]``)."""
+        return (self.norm(h) @ self.transforms[layer].T) @ self.exit_weight.T
 
     def propose(self, layer: int, h: torch.Tensor, token: _Token) -> int | None:
         """The early-exit decision at candidate ``layer`` for the newest token (hidden h [H]):
         None if the head's max softmax < γ_ℓ; else its argmax (τ = 0), or a sample from the
         tempered head distribution q (τ > 0), which is stored as ``token.draft_q`` for
-        verification.  (Tests override this to plant drafts.)"""
+        verification.  (Tests override this to plant drafts.)
+
+        With a draft vocabulary the confidence is the max of the *subset* softmax (a labelled
+        deviation from the paper, whose head is full-vocabulary: see README), the draft is mapped
+        back through ``d2t``, and at τ > 0 the proposal q is the subset distribution placed on the
+        base vocabulary (zero outside), which §4.2's chain rule verifies losslessly."""
         z = self.head_logits(layer, h).float()
         zmax, arg = z.max(-1)
         conf = torch.exp(zmax - torch.logsumexp(z, -1))
         if float(conf) < self.gammas[layer]:
             return None
         if self.temperature == 0:
-            return int(arg)
-        token.draft_q = warp(z, self.temperature)
-        return sample(token.draft_q, self.generator)
+            return int(arg) if self.d2t is None else int(self.d2t[arg])
+        q = warp(z, self.temperature)
+        if self.d2t is None:
+            token.draft_q = q
+            return sample(q, self.generator)
+        token.draft_q = torch.zeros(self.vocab_size, dtype=q.dtype, device=q.device).index_copy(0, self.d2t, q)
+        return int(self.d2t[sample(q, self.generator)])
 
     def _start(self, token_id: int, pos: int, gen: int) -> _Token:
         ids = torch.tensor([token_id], device=self.embed.weight.device)

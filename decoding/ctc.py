@@ -106,7 +106,7 @@ def _tree_from_candidates(root_token: int, top_logp, top_ids, blank: int, max_no
 
 
 def build_ctc_trees(slot_logits: torch.Tensor, root_tokens: Sequence[int], topk: int | Sequence[int],
-                    max_nodes: int = 64, max_alignments: int = 4096) -> list[DraftTree]:
+                    max_nodes: int = 64, max_alignments: int = 4096, d2t: torch.Tensor | None = None) -> list[DraftTree]:
     """Verification trees for a batch of anchors (METHODS.md §2.6 "Inference", §2.5 "Rec.").
 
     Args:
@@ -115,6 +115,8 @@ def build_ctc_trees(slot_logits: torch.Tensor, root_tokens: Sequence[int], topk:
         topk: per-slot candidate counts (int or list, see :func:`expand_topk`).
         max_nodes: cap on tree nodes, root included (>= 1).
         max_alignments: safety cap on enumerated alignments per anchor.
+        d2t: with a draft vocabulary, int64 [N] mapping class i < N (of ``slot_logits`` [A, S, N+1])
+            to its base token id (:mod:`heads.draft_vocab`); the tree then holds base ids only.
     Returns:
         A :class:`DraftTree` per anchor (root-only when every alignment collapses to nothing).
     """
@@ -127,19 +129,26 @@ def build_ctc_trees(slot_logits: torch.Tensor, root_tokens: Sequence[int], topk:
     kmax = min(max(ks), c)
     logp = torch.log_softmax(slot_logits.detach().float(), dim=-1)
     vals, ids = logp.topk(kmax, dim=-1)  # [A, S, kmax], sorted descending
+    blank = c - 1
+    if d2t is not None:  # draft index → base id; the blank becomes -1 (no token id is negative)
+        if d2t.numel() != c - 1:
+            raise ValueError(f"d2t has {d2t.numel()} entries but slot_logits have {c - 1} token classes")
+        is_blank = ids == c - 1
+        ids = torch.where(is_blank, torch.full_like(ids, -1), d2t.to(ids.device)[ids.clamp(max=c - 2)])
+        blank = -1
     vals, ids = vals.cpu().tolist(), ids.cpu().tolist()
     trees = []
     for i in range(a):
         top_logp = [vals[i][j][: ks[j]] for j in range(s)]
         top_ids = [ids[i][j][: ks[j]] for j in range(s)]
-        trees.append(_tree_from_candidates(int(root_tokens[i]), top_logp, top_ids, c - 1, max_nodes, max_alignments))
+        trees.append(_tree_from_candidates(int(root_tokens[i]), top_logp, top_ids, blank, max_nodes, max_alignments))
     return trees
 
 
 def build_ctc_tree(slot_logits: torch.Tensor, root_token: int, topk, max_nodes: int = 64,
-                   max_alignments: int = 4096) -> DraftTree:
+                   max_alignments: int = 4096, d2t: torch.Tensor | None = None) -> DraftTree:
     """One anchor's tree: ``slot_logits`` [S, V+1]; see :func:`build_ctc_trees`."""
-    return build_ctc_trees(slot_logits.unsqueeze(0), [root_token], topk, max_nodes, max_alignments)[0]
+    return build_ctc_trees(slot_logits.unsqueeze(0), [root_token], topk, max_nodes, max_alignments, d2t)[0]
 
 
 def accepted_length(tree: DraftTree, greedy: Sequence[int]) -> int:
@@ -234,5 +243,6 @@ class CTCDrafter:
         svis = torch.ones(1, 1, s, t + 1 + s, dtype=torch.bool, device=p.device)
         out = head.run_layer(q, head.additive_mask(svis, q.dtype), spos, cache=self.cache)
         crop_cache(self.cache, t + 1)
-        logits = head.slot_logits(out)[0]  # [S, V+1]
-        return build_ctc_tree(logits, int(root_token), self.topk, self.max_nodes, self.max_alignments)
+        logits = head.slot_logits(out)[0]  # [S, V+1] ([S, N+1] over a draft vocabulary)
+        d2t = head.d2t if head.draft_vocab_size is not None else None
+        return build_ctc_tree(logits, int(root_token), self.topk, self.max_nodes, self.max_alignments, d2t)

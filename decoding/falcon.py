@@ -272,8 +272,9 @@ class FalconDrafter:
         dec = head.cfg["decoding"]
         self.passes = int(passes if passes is not None else dec["passes"])
         self.template = FalconTreeTemplate.from_config(tree if tree is not None else dec["tree"], self.k, self.passes)
-        if self.template.top_k > head.vocab_size:
-            raise ValueError(f"the Falcon tree needs top-{self.template.top_k} candidates; the vocabulary has {head.vocab_size}")
+        if self.template.top_k > head.num_draft_tokens:
+            raise ValueError(f"the Falcon tree needs top-{self.template.top_k} candidates; the draft vocabulary has "
+                             f"{head.num_draft_tokens}")
         t = self.template
         self._anchor = [0] + [t.anchor(u) for u in range(1, t.num_nodes)]
         self._slot = [0] + [t.slot(u) for u in range(1, t.num_nodes)]
@@ -344,8 +345,9 @@ class FalconDrafter:
         passes = 1
         K = t.top_k
         block_feats: dict[int, torch.Tensor] = {0: out[0, -k:]}
-        lp = torch.log_softmax(head.lm_head(out[0, -k:]).float(), dim=-1)
+        lp = torch.log_softmax(head.draft_lm_head(out[0, -k:]).float(), dim=-1)  # [k, N]: draft vocabulary
         top_lp, top_id = lp.topk(K, dim=-1)
+        top_id = head.to_base_ids(top_id)  # d2t: draft index → base id
         block_top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {0: (top_lp.cpu(), top_id.cpu())}
         block_range: dict[int, tuple[int, int]] = {}
         block_anc: dict[int, list[int]] = {0: []}
@@ -395,8 +397,9 @@ class FalconDrafter:
             o = head(feats.reshape(1, Q, -1), b_toks_t.reshape(1, Q), p[None],
                      additive_mask(vis, dtype)[None, None], cache=cache)[0].view(nb, k, -1)
             passes += 1
-            lp = torch.log_softmax(head.lm_head(o).float(), dim=-1)
+            lp = torch.log_softmax(head.draft_lm_head(o).float(), dim=-1)
             top_lp, top_id = lp.topk(K, dim=-1)
+            top_id = head.to_base_ids(top_id)
             top_lp, top_id = top_lp.cpu(), top_id.cpu()
             for b, u in enumerate(creators):
                 block_feats[u] = o[b]

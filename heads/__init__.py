@@ -24,6 +24,10 @@ def _register_config_checks() -> None:
             cls = head_class(str(cfg.heads.type))
         except KeyError as exc:
             raise ConfigError(f"heads.type: {exc.args[0]}") from None
+        size = cfg.heads.get("draft_vocab_size")
+        if size is not None and size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 2):
+            raise ConfigError(f"heads.draft_vocab_size={size!r}: expected an integer >= 2 (at most the base "
+                              "vocabulary size), auto, or null for the full vocabulary")
         check = getattr(cls, "check_config", None)
         if check is not None:
             try:

@@ -44,7 +44,9 @@ DEFAULTS: dict[str, Any] = {
 
 def _check_cfg(cfg: dict[str, Any], num_layers: int | None) -> None:
     """Raise ValueError naming the first bad ``heads.*`` key (``num_layers`` = L if known)."""
-    unknown = sorted(set(cfg) - set(DEFAULTS) - {"type", "param_counts"})
+    from heads.base import SHARED_KEYS
+
+    unknown = sorted(set(cfg) - set(DEFAULTS) - {"type", "param_counts", *SHARED_KEYS})
     if unknown:
         raise ValueError(f"unknown heads keys {unknown}; valid: {sorted(DEFAULTS)}")
     layers = [int(x) for x in cfg["layers"]]
@@ -148,14 +150,18 @@ class AdaDecodeHead(DraftHead):
 
     # -- the head ------------------------------------------------------------------------------
     def layer_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """z^(ℓ) = W·T_ℓ·RMSNorm_final(h): h [..., H] (any float dtype) -> logits [..., V] float32."""
+        """z^(ℓ) = W·T_ℓ·RMSNorm_final(h): h [..., H] (any float dtype) -> logits [..., V] float32
+        ([..., N] over the draft vocabulary: W = W[d2t])."""
         T = self.transforms[str(layer)]
         x = self.final_norm(h.to(T.weight.dtype))
-        return self.lm_head(T(x).float())
+        return self.draft_lm_head(T(x).float())
 
     def teacher_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-layer logits W·f_t from the cached post-norm hidden hs[L]: [..., H] -> [..., V] fp32."""
-        return self.lm_head(hidden.float())
+        """Final-layer logits W·f_t from the cached post-norm hidden hs[L]: [..., H] -> [..., V] fp32.
+
+        Over a draft vocabulary [..., N]: the KL teacher p* is restricted to the draft vocabulary
+        and renormalised (the out-of-vocabulary rule of this head; it has no CE term)."""
+        return self.draft_lm_head(hidden.float())
 
     def _gather(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor]:
         """Masked tokens only: hidden [N, H], {ℓ: [N, H]}, labels [N]."""
@@ -195,10 +201,11 @@ class AdaDecodeHead(DraftHead):
     def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:
         """Σ_ℓ w_ℓ masked-mean KL(p* ‖ softmax(z^(ℓ))) (METHODS §3.3), fp32, chunked + checkpointed.
 
-        Returns ``(loss, {"kl_l<ℓ>": float, "num_tokens": float})``.
+        Returns ``(loss, {"kl_l<ℓ>": float, "num_tokens": float, "oov_rate": float})`` (``oov_rate``:
+        share of masked tokens whose greedy label is outside the draft vocabulary).
         Raises KeyError naming a candidate layer missing from ``batch["aux_hidden"]``.
         """
-        hidden, aux, _ = self._gather(batch)
+        hidden, aux, labels = self._gather(batch)
         n = hidden.shape[0]
         kl_sum = hidden.new_zeros(len(self.layers), dtype=torch.float32)
         step = int(self.cfg["chunk_tokens"])
@@ -215,6 +222,7 @@ class AdaDecodeHead(DraftHead):
             loss = loss + 0.0 * sum(p.sum() for p in self.parameters())
         metrics = {f"kl_l{layer}": float(per_layer[i].detach()) for i, layer in enumerate(self.layers)}
         metrics["num_tokens"] = float(n)
+        metrics["oov_rate"] = float((self.to_draft_ids(labels) < 0).sum()) / max(n, 1)
         return loss, metrics
 
     # -- validation ----------------------------------------------------------------------------
@@ -254,8 +262,8 @@ class AdaDecodeHead(DraftHead):
                                            want_preds=True)
             kl_sum += k
             confs[:, s:s + step] = c
-            args[:, s:s + step] = a
-        correct = args == labels.unsqueeze(0)  # [nl, n]
+            args[:, s:s + step] = self.to_base_ids(a)
+        correct = args == labels.unsqueeze(0)  # [nl, n]; an out-of-vocabulary label is never matched
         M = torch.tensor(float(n), device=dev)
 
         def pair(s, c) -> torch.Tensor:

@@ -12,9 +12,13 @@ A draft head is an ``nn.Module`` that
   (see ``data_prep.cache.collate`` for the batch keys and shapes);
 * builds a drafter for the lossless speculative-decoding runtime in ``decoding/``.
 
+* optionally drafts over a draft vocabulary of N frequent tokens (``heads.draft_vocab_size``,
+  :mod:`heads.draft_vocab`): :meth:`DraftHead.draft_lm_head` scores the frozen rows W[d2t].
+
 Checkpoint format (written by :func:`heads.save`, read by :func:`heads.load`): a directory with
-``model.safetensors`` (trainable head weights only) and ``config.json`` (head type, every
-hyperparameter, the base model's identity and vocab size).
+``model.safetensors`` (trainable head weights only, plus ``d2t`` / ``t2d`` with a draft
+vocabulary) and ``config.json`` (head type, every hyperparameter incl. ``draft_vocab_size`` and
+``draft_vocab``, the base model's identity and vocab size).
 """
 from __future__ import annotations
 
@@ -23,6 +27,11 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+
+#: ``heads`` keys every head accepts (handled here, not by the head class): the draft vocabulary
+#: size N (null = full vocabulary) and its provenance (written by :meth:`DraftHead.set_draft_vocab`).
+SHARED_KEYS = ("draft_vocab_size", "draft_vocab")
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class DraftHead(nn.Module):
         self.base_config = base_config
         self.hidden_size = int(base_config.hidden_size)
         self.vocab_size = int(base_config.vocab_size)
+        self._init_draft_vocab()
 
     # -- borrowed frozen weights ---------------------------------------------------------------
     def attach_base(self, base_model) -> None:
@@ -84,6 +94,7 @@ class DraftHead(nn.Module):
         self.register_buffer("lm_head_weight", head, persistent=False)
         self.register_buffer("norm_weight", inner.norm.weight.detach(), persistent=False)
         self.norm_eps = float(getattr(self.base_config, "rms_norm_eps", 1e-6))
+        self._slice_draft_lm_head()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Frozen token embedding: ids [...] (long) -> [..., H]."""
@@ -92,6 +103,106 @@ class DraftHead(nn.Module):
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Frozen LM head: h [..., H] -> logits [..., V] (in h's dtype)."""
         return h @ self.lm_head_weight.to(h.dtype).T
+
+    # -- draft vocabulary (heads.draft_vocab; FR-Spec / EAGLE-3 d2t) ---------------------------
+    def _init_draft_vocab(self) -> None:
+        """Read ``heads.draft_vocab_size`` (null = full vocabulary, ``auto`` = :data:`heads.draft_vocab.AUTO_SIZE`
+        when V is larger) and register the mapping buffers.
+
+        With N set, ``d2t`` int64 [N] and ``t2d`` bool [V] are *persistent* buffers (so they are in
+        ``model.safetensors`` and in every Lightning checkpoint; never trained, never sharded by
+        ZeRO, broadcast by DDP), ``draft_index`` int64 [V] (base id → draft index, −1 outside) is
+        derived.  They hold zeros until :meth:`set_draft_vocab` (training, from label counts) or
+        ``load_state_dict`` + :meth:`check_draft_vocab` (a checkpoint) fill them.
+
+        Raises:
+            ValueError: ``draft_vocab_size`` < 2 or > V (see :func:`heads.draft_vocab.check_size`).
+        """
+        from heads.draft_vocab import check_size
+
+        self.cfg.setdefault("draft_vocab_size", None)
+        self.draft_vocab_size = check_size(self.cfg["draft_vocab_size"], self.vocab_size)
+        self.cfg["draft_vocab_size"] = self.draft_vocab_size  # "auto" resolved: config.json holds N or null
+        if self.draft_vocab_size is not None:
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(self.vocab_size, dtype=torch.bool))
+            self.register_buffer("draft_index", torch.full((self.vocab_size,), -1, dtype=torch.int64), persistent=False)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """N if a draft vocabulary is configured, else V: the width of :meth:`draft_lm_head`'s logits."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
+
+    def set_draft_vocab(self, vocab, info: dict[str, Any] | None = None) -> None:
+        """Install a :class:`heads.draft_vocab.DraftVocab` (e.g. from the cache's label counts).
+
+        ``info`` (e.g. ``{"train_coverage": 0.97, "cache": "<dir>"}``) is stored as
+        ``cfg["draft_vocab"]`` and so written to ``config.json``.
+
+        Raises:
+            ValueError: no draft vocabulary is configured, or ``vocab`` has another N or V.
+        """
+        if self.draft_vocab_size is None:
+            raise ValueError("heads.draft_vocab_size is null (full vocabulary): there is no draft vocabulary to set")
+        if vocab.size != self.draft_vocab_size or vocab.vocab_size != self.vocab_size:
+            raise ValueError(f"draft vocabulary of N={vocab.size} over V={vocab.vocab_size} does not fit "
+                             f"heads.draft_vocab_size={self.draft_vocab_size} over V={self.vocab_size}")
+        with torch.no_grad():
+            self.d2t.copy_(vocab.d2t)
+            self.t2d.copy_(vocab.t2d)
+        if info is not None:
+            self.cfg["draft_vocab"] = dict(info)
+        self._derive_draft_vocab()
+
+    def check_draft_vocab(self, where: str = "checkpoint") -> None:
+        """Validate the loaded ``d2t`` / ``t2d`` buffers and derive the lookups.
+
+        Raises:
+            ValueError: duplicates, ids outside [0, V), wrong length, unsorted, or ``t2d`` ≠ mask of ``d2t``.
+        """
+        if self.draft_vocab_size is None:
+            return
+        from heads.draft_vocab import DraftVocab
+
+        DraftVocab.from_tensors({"d2t": self.d2t.cpu(), "t2d": self.t2d.cpu()}, self.vocab_size,
+                                self.draft_vocab_size, where=where)
+        self._derive_draft_vocab()
+
+    def _derive_draft_vocab(self) -> None:
+        from heads.draft_vocab import t2d_index
+
+        with torch.no_grad():
+            self.draft_index.copy_(t2d_index(self.d2t, self.vocab_size))
+        self._slice_draft_lm_head()
+
+    def _slice_draft_lm_head(self) -> None:
+        """``draft_lm_head_weight`` = W[d2t] [N, H] (non-persistent buffer), once base and mapping exist."""
+        if self.draft_vocab_size is None or not hasattr(self, "lm_head_weight"):
+            return
+        from heads.draft_vocab import slice_rows
+
+        self.register_buffer("draft_lm_head_weight", slice_rows(self.lm_head_weight, self.d2t), persistent=False)
+
+    def draft_lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Frozen LM head restricted to the draft vocabulary (FR-Spec): h [..., H] → [..., N] (h's dtype).
+
+        Column i scores base token ``d2t[i]``; with no draft vocabulary this is :meth:`lm_head` ([..., V]).
+        """
+        if self.draft_vocab_size is None:
+            return self.lm_head(h)
+        return h @ self.draft_lm_head_weight.to(h.dtype).T
+
+    def to_draft_ids(self, base_ids: torch.Tensor) -> torch.Tensor:
+        """Base ids [...] (long) → draft indices [...] (−1 outside the draft vocabulary); identity if full."""
+        if self.draft_vocab_size is None:
+            return base_ids
+        return self.draft_index.to(base_ids.device)[base_ids]
+
+    def to_base_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft indices [...] (long, in [0, N)) → base ids [...]; identity if full."""
+        if self.draft_vocab_size is None:
+            return draft_ids
+        return self.d2t.to(draft_ids.device)[draft_ids]
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The base model's frozen final RMSNorm (computed in fp32, returned in h's dtype)."""

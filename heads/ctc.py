@@ -150,8 +150,11 @@ class CTCHead(DraftHead):
                           use_cache=cache is not None, position_embeddings=cos_sin)
 
     def slot_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Ẑ⁺ = [W ĥ ; w_ε·ĥ + b_ε]: h [..., H] → [..., V+1]; class V is the blank."""
-        return torch.cat([self.lm_head(h), self.blank(h)], dim=-1)
+        """Ẑ⁺ = [W ĥ ; w_ε·ĥ + b_ε]: h [..., H] → [..., V+1]; class V is the blank.
+
+        With a draft vocabulary of N tokens W is the row slice W[d2t] and the result is
+        [..., N+1] (class i < N scores base token ``d2t[i]``; the blank stays last)."""
+        return torch.cat([self.draft_lm_head(h), self.blank(h)], dim=-1)
 
     @staticmethod
     def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -204,7 +207,9 @@ class CTCHead(DraftHead):
     def forward_batch(self, batch: dict[str, Any], step: int, anchors_per_seq: int) -> dict[str, Any]:
         """Run the packed layer over a cached batch.
 
-        Returns a dict with ``slot_logits`` [A_tot, S, V+1], ``targets`` [A_tot, N] long,
+        Returns a dict with ``slot_logits`` [A_tot, S, V+1] (N_d+1 with a draft vocabulary),
+        ``targets`` [A_tot, N] long base ids, ``draft_targets`` [A_tot, N] long (draft indices,
+        −1 outside the draft vocabulary; = ``targets`` without one),
         ``bonus`` [A_tot] long, ``anchor_index`` [A_tot, 2] long (batch row, t), ``context_out``
         [B, T, H] (layer output on the context rows), ``A`` the total number of anchors.
         """
@@ -244,6 +249,7 @@ class CTCHead(DraftHead):
         return {
             "slot_logits": self.slot_logits(slot_out),
             "targets": targets,
+            "draft_targets": self.to_draft_ids(targets),
             "bonus": bonus[valid],
             "anchor_index": torch.stack([rows[valid], a_idx[valid]], dim=-1),
             "context_out": out[:, :t_len],
@@ -265,21 +271,25 @@ class CTCHead(DraftHead):
             zero = context_out.sum() * 0.0
             return zero, {"aux_v": 0.0, "aux_p": 0.0}
         l_v = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
-        teacher = torch.softmax(self.lm_head(target), dim=-1)
-        l_p = -(teacher * torch.log_softmax(self.lm_head(pred), dim=-1)).sum(-1).mean()
+        # over the draft vocabulary: the teacher is restricted to it and renormalised (issue 13)
+        teacher = torch.softmax(self.draft_lm_head(target), dim=-1)
+        l_p = -(teacher * torch.log_softmax(self.draft_lm_head(pred), dim=-1)).sum(-1).mean()
         return l_v + 0.1 * l_p, {"aux_v": float(l_v.detach()), "aux_p": float(l_p.detach())}
 
     def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:
         """Slot loss (+ optional aux) on a cached batch.
 
         Returns ``(loss, metrics)``; metrics: ``slot_loss``, ``anchors`` (count in the batch),
-        ``infeasible`` (anchors with no CTC alignment, zeroed by ``zero_infinity``), and the aux
-        parts when ``aux_weight > 0``.
+        ``infeasible`` (anchors with no CTC alignment, zeroed by ``zero_infinity``), ``oov_rate``
+        (share of targets outside the draft vocabulary; their rule is in :mod:`losses.ctc`), and
+        the aux parts when ``aux_weight > 0``.
         """
         out = self.forward_batch(batch, progress.step, int(self.cfg["anchors_per_seq"]))
-        loss, stats = self._slot_loss(out["slot_logits"], out["targets"])
+        loss, stats = self._slot_loss(out["slot_logits"], out["draft_targets"])
+        dt = out["draft_targets"]
         metrics = {"slot_loss": float(loss.detach()), "anchors": float(stats["anchors"]),
-                   "infeasible": float(stats["infeasible"])}
+                   "infeasible": float(stats["infeasible"]),
+                   "oov_rate": float((dt < 0).sum()) / max(dt.numel(), 1)}
         w = float(self.cfg["aux_weight"])
         if w > 0:
             aux, aux_metrics = self._aux_loss(batch, out["context_out"])
@@ -304,7 +314,7 @@ class CTCHead(DraftHead):
         from decoding.ctc import accepted_length, build_ctc_trees
 
         out = self.forward_batch(batch, -1, int(self.cfg["val_anchors_per_seq"]))
-        loss, stats = self._slot_loss(out["slot_logits"], out["targets"])
+        loss, stats = self._slot_loss(out["slot_logits"], out["draft_targets"])
         if float(self.cfg["aux_weight"]) > 0:
             loss = loss + float(self.cfg["aux_weight"]) * self._aux_loss(batch, out["context_out"])[0]
         a = out["A"]
@@ -312,7 +322,8 @@ class CTCHead(DraftHead):
         if a == 0:
             return {"loss": pair(0, 0), "sim_tau": pair(0, 0), "infeasible": pair(0, 0), "anchors": pair(0, 1)}
         trees = build_ctc_trees(out["slot_logits"], out["bonus"].tolist(), self.cfg["topk"],
-                                int(self.cfg["max_nodes"]), int(self.cfg["max_alignments"]))
+                                int(self.cfg["max_nodes"]), int(self.cfg["max_alignments"]),
+                                d2t=self.d2t if self.draft_vocab_size is not None else None)
         labels = batch["labels"].cpu()
         lmask = batch["loss_mask"].cpu().bool()
         lengths = batch.get("lengths")
@@ -325,8 +336,9 @@ class CTCHead(DraftHead):
                     break
                 greedy.append(int(labels[row, t + j]))
             taus.append(accepted_length(tree, greedy) + 1)
+        scored = max(a - int(stats["infeasible"]) - int(stats["oov_anchors"]), 1)  # anchors in the loss mean
         return {
-            "loss": pair(float(loss) * max(a - int(stats["infeasible"]), 1), max(a - int(stats["infeasible"]), 1)),
+            "loss": pair(float(loss) * scored, scored),
             "sim_tau": pair(sum(taus), a),
             "infeasible": pair(float(stats["infeasible"]), a),
             "anchors": pair(a, 1),

@@ -167,9 +167,11 @@ class FalconHead(DraftHead):
         return out.reshape(B, T, -1)
 
     def logits_fp32(self, h: torch.Tensor) -> torch.Tensor:
-        """W h in fp32 with autocast off: h [..., H] → logits [..., V] float32 (for the loss)."""
+        """W h in fp32 with autocast off over the draft vocabulary: h [..., H] → logits [..., N]
+        float32 (N = ``draft_vocab_size``, or V; column i scores base token ``d2t[i]``)."""
+        w = self.lm_head_weight if self.draft_vocab_size is None else self.draft_lm_head_weight
         with torch.autocast(device_type=h.device.type, enabled=False):
-            return h.float() @ self.lm_head_weight.float().T
+            return h.float() @ w.float().T
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor, cache=None) -> torch.Tensor:
@@ -199,9 +201,11 @@ class FalconHead(DraftHead):
         """Training tensors of METHODS.md §1.1 from a collated cache batch.
 
         Returns ``F_in`` f_t, ``X_in`` x_{t+1}, ``F_tgt`` f_{t+k}, ``G`` x_{t+k+1} (each [B,T(,H)],
-        zero beyond the sequence), ``valid`` [B,T] bool (not padding), and ``mask`` [B,T] bool:
+        zero beyond the sequence), ``valid`` [B,T] bool (not padding), ``mask`` [B,T] bool:
         m_t = loss_mask[t+k] ∧ (t+k < length), i.e. the target feature sits on an assistant token
-        (so m = 0 on the last k positions).
+        (so m = 0 on the last k positions), and ``in_vocab`` [B,T] bool: the greedy label of the
+        target, ``labels[t+k]`` = argmax W f_{t+k}, lies in the draft vocabulary (all True without
+        one; with one the batch must hold ``labels``).
         """
         for key in ("input_ids", "hidden", "attention_mask", "loss_mask"):
             if key not in batch:
@@ -222,7 +226,13 @@ class FalconHead(DraftHead):
             mask[:, : T - k] = lm[:, k:]
         if T > k + 1:
             G[:, : T - k - 1] = ids[:, k + 1:]
-        return {"F_in": f, "X_in": X_in, "F_tgt": F_tgt, "G": G, "valid": valid, "mask": mask}
+        in_vocab = torch.ones_like(lm)
+        if self.draft_vocab_size is not None:
+            if "labels" not in batch:
+                raise KeyError("Falcon batch has no 'labels': a draft vocabulary needs them to find OOV targets")
+            if T > k:
+                in_vocab[:, : T - k] = self.to_draft_ids(batch["labels"][:, k:]) >= 0
+        return {"F_in": f, "X_in": X_in, "F_tgt": F_tgt, "G": G, "valid": valid, "mask": mask, "in_vocab": in_vocab}
 
     def _noise(self, f: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         n = self.cfg["noise"]
@@ -234,15 +244,21 @@ class FalconHead(DraftHead):
         return f + (torch.rand_like(f) * 2.0 - 1.0) * scale
 
     def _loss_on(self, pred: torch.Tensor, inp: dict[str, torch.Tensor], mask: torch.Tensor):
+        """Loss over the ``mask`` positions.  Out-of-vocabulary rule (draft vocabulary, issue 13):
+        student and teacher logits are over the draft vocabulary, so the KL teacher is restricted
+        to it and renormalised; a position whose greedy label is outside it leaves the CE term
+        (``ce_mask``) and counts as a top-1 miss."""
         sel_pred = pred[mask]
         sel_tgt = inp["F_tgt"][mask]
+        in_vocab = inp["in_vocab"][mask]
         student = self.logits_fp32(sel_pred)
         teacher = self.logits_fp32(sel_tgt)
         L = self.cfg["loss"]
         loss, parts = falcon_loss(sel_pred, sel_tgt, student, teacher,
                                   torch.ones(sel_pred.shape[0], dtype=torch.bool, device=pred.device),
-                                  alpha=float(L["alpha"]), omega=float(L["omega"]), beta=float(L["beta"]))
-        hit = student.argmax(-1) == teacher.argmax(-1)  # [M] top-1 agreement per loss position
+                                  alpha=float(L["alpha"]), omega=float(L["omega"]), beta=float(L["beta"]),
+                                  ce_mask=in_vocab)
+        hit = (student.argmax(-1) == teacher.argmax(-1)) & in_vocab  # [M] top-1 agreement per loss position
         acc = hit.float().mean() if sel_pred.shape[0] else student.new_zeros(())
         return loss, parts, acc, student, hit
 
@@ -271,7 +287,7 @@ class FalconHead(DraftHead):
                 wrong = torch.zeros_like(mask)
                 student = self.logits_fp32(pred_a[mask])
                 teacher = self.logits_fp32(inp["F_tgt"][mask])
-                wrong[mask] = student.argmax(-1) != teacher.argmax(-1)
+                wrong[mask] = (student.argmax(-1) != teacher.argmax(-1)) | ~inp["in_vocab"][mask]
                 distance = wrong.sum(-1)
             R, _ = glancing_positions(mask, distance, lam, self.k)
             F_in = torch.where(R[..., None], inp["F_tgt"], F_in)
@@ -287,7 +303,8 @@ class FalconHead(DraftHead):
             loss = loss + 0.0 * pred.sum()  # keep the graph connected (DDP) on an empty batch
         metrics.update({"loss": float(loss.detach()), "loss_reg": float(parts["reg"]), "kl": float(parts["kl"]),
                         "ce": float(parts["ce"]), "acc": float(acc), "glance_ratio": lam,
-                        "glanced_tokens": float(glanced), "loss_tokens": float(mask.sum())})
+                        "glanced_tokens": float(glanced), "loss_tokens": float(mask.sum()),
+                        "oov_rate": float((inp["mask"] & ~inp["in_vocab"]).sum()) / max(int(inp["mask"].sum()), 1)})
         return loss, metrics
 
     # -- validation ------------------------------------------------------------------------------
@@ -319,7 +336,7 @@ class FalconHead(DraftHead):
         B, T = mask.shape
         k = self.k
         draft_tok = torch.zeros(B, T, dtype=torch.long, device=mask.device)
-        draft_tok[mask] = student.argmax(-1)
+        draft_tok[mask] = self.to_base_ids(student.argmax(-1))  # an OOV label is never matched
         labels = batch.get("labels")
         if labels is None:
             raise KeyError("Falcon validation batch has no 'labels' (greedy labels, needed for sim_tau)")

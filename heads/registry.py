@@ -45,16 +45,35 @@ def head_class(head_type: str):
     return HEADS[head_type]
 
 
-def build(head_cfg: Any, base_model):
+def build(head_cfg: Any, base_model, label_counts=None, counts_source: str | None = None):
     """Build the head described by ``head_cfg`` (a ``heads`` section with a ``type`` key).
 
     The head's trainable weights are initialised (seeded by the caller), and the base model's
     frozen embedding / final norm / LM head are attached as non-persistent buffers.
+
+    With ``heads.draft_vocab_size`` = N the draft vocabulary is the top N of ``label_counts``
+    (int64 [V], the training split's counts, :mod:`data_prep.label_counts`); its coverage of those
+    labels and ``counts_source`` (the cache) are recorded in ``cfg["draft_vocab"]``.
+
+    Raises:
+        ValueError: ``draft_vocab_size`` < 2 or > V, or N is set and ``label_counts`` is None or
+            not of length V.
     """
     from omegaconf import DictConfig, OmegaConf
 
     cfg = OmegaConf.to_container(head_cfg, resolve=True) if isinstance(head_cfg, DictConfig) else dict(head_cfg)
     head = head_class(cfg["type"])(cfg, base_model.config)
+    if head.draft_vocab_size is not None:
+        from heads.draft_vocab import DraftVocab, coverage
+
+        if label_counts is None:
+            raise ValueError(f"heads.draft_vocab_size={head.draft_vocab_size} needs the cache's label counts "
+                             "(data_prep.label_counts); none were given")
+        if int(label_counts.numel()) != head.vocab_size:
+            raise ValueError(f"label counts have {label_counts.numel()} entries, the base vocabulary has {head.vocab_size}")
+        vocab = DraftVocab.from_counts(label_counts, head.draft_vocab_size)
+        head.set_draft_vocab(vocab, {"size": vocab.size, "train_coverage": coverage(label_counts, vocab.d2t),
+                                     "train_labels": int(label_counts.sum()), "cache": counts_source})
     head.attach_base(base_model)
     return head
 
@@ -98,7 +117,8 @@ def load(directory: str | os.PathLike, base_model=None, model_cfg: Any | None = 
 
     Raises:
         FileNotFoundError: a file is missing.  ValueError: the checkpoint's vocab size does not
-        match the base model's.
+        match the base model's, or its ``d2t`` / ``t2d`` are invalid (duplicates, ids out of range,
+        wrong length; :func:`heads.draft_vocab.validate_d2t`).
     """
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -126,5 +146,6 @@ def load(directory: str | os.PathLike, base_model=None, model_cfg: Any | None = 
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint {directory}: missing keys {missing}, unexpected keys {unexpected}")
+    head.check_draft_vocab(where=f"checkpoint {directory / 'model.safetensors'}")
     head.attach_base(base_model)
     return head, meta

@@ -33,6 +33,7 @@ def falcon_loss(
     alpha: float = 0.9,
     omega: float = 0.1,
     beta: float = 1.0,
+    ce_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Falcon's loss (METHODS.md §1.3 [P] with the Rec.: true KL at temperature 1, argmax teacher).
 
@@ -50,6 +51,10 @@ def falcon_loss(
         alpha: KL weight inside the distillation term (α, default 0.9).
         omega: distillation weight (ω, default 0.1).
         beta: SmoothL1 β (default 1).
+        ce_mask: optional [...] bool: positions that keep the CE term (the CE mean is over
+            ``mask & ce_mask``).  Draft-vocabulary rule (issue 13, as EAGLE-3): with logits over
+            the draft vocabulary only, the KL teacher is restricted to it and renormalised, and a
+            position whose greedy label lies outside it is dropped from CE (``ce_mask`` False).
 
     Returns:
         ``(loss, parts)``: the scalar fp32 loss and ``{"reg", "kl", "ce"}`` scalar fp32 tensors
@@ -71,7 +76,8 @@ def falcon_loss(
     kl = F.kl_div(logq, logp, reduction="none", log_target=True).sum(-1)  # Σ p (log p − log q)
     y = teacher_logits.argmax(-1)
     ce = -logq.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    reg_m, kl_m, ce_m = _masked_mean(reg, mask), _masked_mean(kl, mask), _masked_mean(ce, mask)
+    ce_keep = mask if ce_mask is None else mask & ce_mask.bool()
+    reg_m, kl_m, ce_m = _masked_mean(reg, mask), _masked_mean(kl, mask), _masked_mean(ce, ce_keep)
     loss = reg_m + omega * (alpha * kl_m + (1.0 - alpha) * ce_m)
     return loss, {"reg": reg_m.detach(), "kl": kl_m.detach(), "ce": ce_m.detach()}
 

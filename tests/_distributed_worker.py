@@ -59,14 +59,17 @@ class DistTestHead(DraftHead):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
     def logits(self, batch):
+        """[B,T,V], or [B,T,N] over a draft vocabulary (``heads.draft_vocab_size``)."""
         h = batch["hidden"].float()
         z = h + self.down(F.silu(self.up(self.norm(h))))
-        return self.lm_head(self.final_norm(z))
+        return self.draft_lm_head(self.final_norm(z))
 
     def _ce(self, batch):
+        """CE per loss position whose label is in the draft vocabulary (OOV positions are dropped)."""
         logits = self.logits(batch)
-        m = batch["loss_mask"].bool()
-        return F.cross_entropy(logits[m].float(), batch["labels"][m], reduction="none")
+        target = self.to_draft_ids(batch["labels"])
+        m = batch["loss_mask"].bool() & (target >= 0)
+        return F.cross_entropy(logits[m].float(), target[m], reduction="none")
 
     def training_loss(self, batch, progress: Progress):
         ce = self._ce(batch)
@@ -102,7 +105,8 @@ def kill_after_step(n: int):
     return KillAfterStep()
 
 
-def run_one(model_dir: str, overrides: list[str], kill_after: int | None = None, base=None) -> None:
+def run_one(model_dir: str, overrides: list[str], kill_after: int | None = None, base=None,
+            draft_vocab_size: int | None = None) -> None:
     """Train the test head once with ``overrides`` (see the module docstring for what is written)."""
     from omegaconf import OmegaConf, open_dict
 
@@ -113,7 +117,7 @@ def run_one(model_dir: str, overrides: list[str], kill_after: int | None = None,
     cfg = compose(["train.logger=csv", "train.progress_bar=false", "train.sanity_val_steps=0",
                    "train.accelerator=cpu", "train.log_every_n_steps=1", *overrides])
     with open_dict(cfg):
-        cfg.heads = OmegaConf.create({"type": "test_dist", "init_seed": 0})
+        cfg.heads = OmegaConf.create({"type": "test_dist", "init_seed": 0, "draft_vocab_size": draft_vocab_size})
     if base is None:
         base = load_base_model({"path": model_dir, "dtype": "float32", "attn_implementation": "eager"})
     callbacks = [kill_after_step(kill_after)] if kill_after is not None else []
@@ -143,12 +147,13 @@ def main(argv=None) -> None:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--kill-after-step", type=int, default=None, help="applies to the last run of the plan")
     p.add_argument("--plan", default=None, help='JSON: [["strategy=ddp", "train.run_name=a"], ...]')
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="heads.draft_vocab_size of the test head")
     args, common = p.parse_known_args(argv)
     plan = json.loads(args.plan) if args.plan else [[]]
     base = load_base_model({"path": args.model_dir, "dtype": "float32", "attn_implementation": "eager"})
     for i, overrides in enumerate(plan):
         kill = args.kill_after_step if i == len(plan) - 1 else None
-        run_one(args.model_dir, [*common, *overrides], kill, base=base)
+        run_one(args.model_dir, [*common, *overrides], kill, base=base, draft_vocab_size=args.draft_vocab_size)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from train.run import metrics_csv
 import torch
 from safetensors.torch import load_file
 
+import heads
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "_distributed_worker.py"
 COMMON = ["train.batch_size=2", "train.max_steps=6", "train.val_every_n_steps=3", "train.scheduler.warmup_steps=2",
@@ -177,3 +179,42 @@ def test_zero_stage_and_world_size_are_logged(runs):
         assert float(info[0]["distributed/zero_stage"]) == stage
         assert float(info[0]["distributed/world_size"]) == 2
         assert any(r.get("train/tokens_per_s") for r in rows)
+
+
+@pytest.fixture(scope="module")
+def vocab_runs(tiny_model_dir, tmp_path_factory):
+    """DDP and ZeRO-3 runs of the test head with a draft vocabulary of 64 of the tiny V = 384
+    tokens (counts scanned from the shards: the random cache has no counts file)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _distributed_worker import write_tiny_cache
+
+    work = tmp_path_factory.mktemp("dist_vocab")
+    cache = write_tiny_cache(work / "cache", tiny_model_dir)
+    common = ["--model-dir", str(tiny_model_dir), f"output_root={work / 'out'}", f"train.cache_dir={cache}",
+              "--draft-vocab-size", "64", *COMMON]
+    plan = [["strategy=ddp", "train.run_name=ddp_dv"], ["strategy=deepspeed_zero3", "train.run_name=zero3_dv"]]
+    launch(2, [*common, "--plan", json.dumps(plan)], work)
+    return cache, {name: work / "out" / "runs" / "test_dist" / name for name in ("ddp_dv", "zero3_dv")}
+
+
+def test_draft_vocab_zero3_matches_ddp_and_stores_the_mapping(vocab_runs, tiny_base):
+    from data_prep.label_counts import scan_split
+    from heads.draft_vocab import select_d2t
+
+    import _distributed_worker  # noqa: F401  (registers test_dist)
+
+    cache, runs = vocab_runs
+    expect = select_d2t(scan_split(cache / "train"), 64)
+    ref = _result(runs["ddp_dv"])
+    res = _result(runs["zero3_dv"])
+    assert res["global_step"] == ref["global_step"] == 6
+    assert res["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+    w_ref, w = _weights(runs["ddp_dv"]), _weights(runs["zero3_dv"])
+    assert sorted(w) == sorted(w_ref) and {"d2t", "t2d"} <= set(w)
+    for k in w_ref:
+        torch.testing.assert_close(w[k], w_ref[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert torch.equal(w["d2t"], expect) and int(w["t2d"].sum()) == 64
+    head, meta = heads.load(runs["zero3_dv"] / "last", base_model=tiny_base[0])
+    assert meta["head"]["draft_vocab_size"] == 64 and meta["head"]["draft_vocab"]["cache"] == str(cache)
+    assert 0 < meta["head"]["draft_vocab"]["train_coverage"] <= 1
+    torch.testing.assert_close(head.draft_lm_head_weight, tiny_base[0].lm_head.weight[expect])

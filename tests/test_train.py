@@ -403,3 +403,46 @@ def test_warmup_decay_schedule():
     assert WarmupDecay("constant", 1, 10)(7) == 1.0
     with pytest.raises(ValueError, match="unknown schedule"):
         WarmupDecay("step", 0, 10)
+
+
+def test_draft_vocab_train_export_and_errors(tiny_base, tiny_cache, tmp_path):
+    """``heads.draft_vocab_size`` through ``python -m train``'s code path: the mapping comes from
+    the cache's training labels (scanned: this cache has no counts file), is exported with the head
+    and reloads; N > V and unscannable caches are one-line UserInputErrors before any run dir."""
+    import shutil
+
+    import heads as heads_mod
+    from core.config import UserInputError
+    from data_prep.label_counts import scan_split
+    from heads.draft_vocab import select_d2t
+    from train.run import train
+
+    V = tiny_base[0].config.vocab_size
+    for bad, match in ([V + 1, f"draft_vocab_size={V + 1}"], [1, "draft_vocab_size=1"]):
+        cfg = _cfg(tmp_path / "bad", tiny_cache, max_steps=1)
+        with open_dict(cfg):
+            cfg.heads = OmegaConf.create({"type": "falcon", "draft_vocab_size": bad})
+        with pytest.raises(UserInputError, match=match):
+            train(cfg, base=tiny_base)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_cache, broken)
+    shard = sorted((broken / "train").glob("shard-*.safetensors"))[0]
+    shard.unlink()
+    cfg = _cfg(tmp_path / "bad", broken, max_steps=1)
+    with open_dict(cfg):
+        cfg.heads = OmegaConf.create({"type": "ctc", "draft_vocab_size": 64})
+    with pytest.raises((UserInputError, FileNotFoundError), match=shard.name):
+        train(cfg, base=tiny_base)
+    assert not (tmp_path / "bad" / "runs").exists()
+
+    cfg = _cfg(tmp_path, tiny_cache, max_steps=2, val_every_n_steps=2)
+    with open_dict(cfg):
+        cfg.heads = OmegaConf.create({"type": "ctc", "draft_vocab_size": 64, "attn_implementation": "eager"})
+    result = train(cfg, base=tiny_base)
+    head, meta = heads_mod.load(result["run_dir"] / "last", base_model=tiny_base[0])
+    counts = scan_split(tiny_cache / "train")
+    assert torch.equal(head.d2t, select_d2t(counts, 64))
+    assert meta["head"]["draft_vocab"]["cache"] == str(tiny_cache)
+    assert meta["head"]["draft_vocab"]["train_coverage"] == pytest.approx(float(counts[head.d2t].sum() / counts.sum()))
+    rows = list(csv.DictReader(open(metrics_csv(result["run_dir"]))))
+    assert any(r.get("train/oov_rate") not in (None, "") for r in rows)

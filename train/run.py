@@ -289,7 +289,8 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     else:
         check_resume_config(cfg, run_dir)
     try:  # a bad heads/train value is the user's to fix: one line, and no run directory left behind
-        module = DraftHeadModule(cfg.heads, cfg.train, base_model=model, features=features)
+        head = heads.build(cfg.heads, model, **draft_vocab_source(cfg, datamodule, int(model.config.vocab_size)))
+        module = DraftHeadModule(cfg.heads, cfg.train, head=head, features=features)
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc
     if online:
@@ -329,6 +330,36 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
 def _checkpoint_step(path: str | os.PathLike) -> int:
     """``global_step`` recorded in a Lightning checkpoint written by this project (metadata only)."""
     return int(SafetensorsCheckpointIO().load_checkpoint(path).get("global_step", 0))
+
+
+def draft_vocab_source(cfg: DictConfig, datamodule, vocab_size: int) -> dict[str, Any]:
+    """``heads.build`` keywords for the draft vocabulary: the training split's label counts
+    (``<cache>/train/label_counts.safetensors``, or a scan of older caches; no base forward) and
+    the cache they came from.  Empty when ``heads.draft_vocab_size`` resolves to the full
+    vocabulary (null, or ``auto`` with V <= :data:`heads.draft_vocab.AUTO_SIZE`).
+
+    Raises:
+        UserInputError: the counts cannot be read or scanned (names the cache file).
+    """
+    from heads.draft_vocab import check_size
+
+    if check_size(cfg.heads.get("draft_vocab_size"), vocab_size) is None:  # full vocabulary (raises on a bad N)
+        return {}
+    from data_prep.label_counts import load_counts
+
+    reader = getattr(datamodule, "train_reader", None)
+    directory = getattr(reader, "directory", None)
+    if directory is None and getattr(datamodule, "cache_dir", None) is not None:
+        directory = Path(datamodule.cache_dir) / "train"
+    if directory is None:
+        raise UserInputError("heads.draft_vocab_size is set but the training data has no cache directory "
+                             "to read label counts from (train.features=online: set heads.draft_vocab_size=null, "
+                             "or train from a cache)")
+    try:
+        counts = load_counts(directory)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserInputError(f"heads.draft_vocab_size needs label counts: {exc}") from exc
+    return {"label_counts": counts, "counts_source": str(Path(directory).parent)}
 
 
 def check_cache_layers(head, datamodule) -> None:
