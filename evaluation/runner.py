@@ -336,6 +336,10 @@ def tree_report(choice: dict[str, Any] | None, method: dict[str, Any], vanilla: 
     if choice is None:
         return None
     out = dict(choice)
+    summary = method.get("decoder_summary") or {}
+    if "adadecode_model" in choice:
+        out["measured_layer_steps_per_token"] = summary.get("layer_steps_per_token")
+        out["measured_layer_step_speedup"] = summary.get("layer_step_speedup")
     if choice.get("applied"):
         speed = (method["tokens_per_s"] / vanilla["tokens_per_s"]) if method.get("tokens_per_s") and vanilla["tokens_per_s"] else None
         out.update(measured_tau=method.get("tau"), measured_speedup=speed)
@@ -681,6 +685,10 @@ def tree_line(tree: dict[str, Any] | None) -> str:
     from evaluation.tree_auto import describe
 
     line = describe(tree)
+    if tree and "adadecode_model" in tree:
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        line += (f"; measured {fmt(tree.get('measured_layer_steps_per_token'))} steps/token, "
+                 f"{fmt(tree.get('measured_layer_step_speedup'))}x")
     if tree and tree.get("applied"):
         fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
         line += f"; measured tau {fmt(tree.get('measured_tau'))}, speedup {fmt(tree.get('measured_speedup'))}x"

@@ -47,7 +47,8 @@ class CalibrationError(ValueError):
 
 
 def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:
-    """Held-out ShareGPT first turns for calibration, excluding every evaluation prompt.
+    """Held-out ShareGPT first turns for calibration, the last ``count`` usable ones of the split,
+    excluding every evaluation prompt.
 
     Args:
         cfg: the composed config (``data`` section; ``eval.max_prompt_tokens``).
@@ -67,7 +68,9 @@ def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:
     max_len = cfg.eval.get("max_prompt_tokens")
     out = []
     seen = 0
-    for pid, messages in heldout_prompts(cfg.data):
+    # from the END of the held-out split: evaluations on held-out ShareGPT take its first prompts, so every shard
+    # of a sharded evaluation (eval.prompt_offset) calibrates on the same prompts, none of them evaluated
+    for pid, messages in reversed(list(heldout_prompts(cfg.data))):
         seen += 1
         if pid in banned_ids:
             continue
@@ -163,6 +166,10 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
         raise ValueError(f"eval.tree={mode!r} is not one of {', '.join(TREE_MODES)}")
     head_type = str(info.get("head_type"))
     drafter = getattr(decoder, "drafter", None)
+    if mode != "config" and head_type == "adadecode" and hasattr(decoder, "gammas"):
+        info["tree_choice"] = {"mode": mode, "applied": False, "reason": "adadecode has no tree to size",
+                               "adadecode_model": predict_adadecode(cfg, decoder, model, tokenizer, eval_prompts, eos_ids)}
+        return decoder, info
     if mode == "config" or head_type not in PLANNERS or not isinstance(decoder, SpeculativeDecoder):
         info["tree_choice"] = {"mode": mode, "applied": False,
                                "reason": "eval.tree=config" if mode == "config" else f"{head_type} has no tree to size"}
@@ -227,11 +234,66 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     return decoder, info
 
 
+@torch.no_grad()
+def predict_adadecode(cfg, decoder, model, tokenizer, eval_prompts, eos_ids) -> dict[str, Any]:
+    """AdaDecode's cost model per threshold γ on held-out prompts (never the evaluation prompts).
+
+    The held-out prompts are decoded greedily; one base forward over prompt + continuation gives
+    hs[ℓ] and the greedy labels at every generated position, and the head's exit policy is
+    simulated there (:meth:`heads.adadecode.AdaDecodeHead.validation_metrics`: exit at the first
+    candidate layer with confidence ≥ γ; sequential layer steps c = L, e or e + L).  Returns the
+    expected layer steps per token and the layer-step speedup L / E[c] for every
+    ``heads.val_gammas`` threshold and for the decoder's own schedule (``configured``), to set
+    beside the measured ``decoder_summary.layer_steps_per_token``.
+
+    Raises:
+        CalibrationError: no usable held-out prompt.
+    """
+    import heads
+    from decoding.vanilla import greedy_generate
+
+    ev = cfg.eval
+    head, _ = heads.load(Path(str(ev.checkpoint)), base_model=model)
+    head.to(next(model.parameters()).device).eval()
+    prompts = calibration_prompts(cfg, tokenizer, eval_prompts, int(ev.calibration_prompts))
+    max_new = int(ev.get("calibration_max_new_tokens") or ev.max_new_tokens)
+    L = int(model.config.num_hidden_layers)
+    confs, correct = [], []
+    for p in prompts:
+        out, _ = greedy_generate(model, p.input_ids, max_new, eos_ids)
+        ids = torch.cat([p.input_ids, torch.tensor(out[:-1], dtype=torch.long)]).to(next(model.parameters()).device)
+        res = model(input_ids=ids[None], output_hidden_states=True)
+        hs = res.hidden_states
+        t0 = p.input_ids.numel() - 1  # positions predicting the generated tokens
+        labels = res.logits[0, t0:].argmax(-1)
+        _, c, a, _ = head._chunk_stats(hs[L][0, t0:], *[hs[layer][0, t0:] for layer in head.layers], want_preds=True)
+        confs.append(c)
+        correct.append(a == labels.unsqueeze(0))
+    confs_t, correct_t = torch.cat(confs, 1), torch.cat(correct, 1)
+
+    def row(gammas) -> dict[str, float]:
+        pol = head._policy(confs_t, correct_t, gammas)
+        cost = float(pol["cost"][0] / pol["cost"][1])
+        return {"expected_layer_steps_per_token": cost * L, "predicted_layer_step_speedup": 1.0 / cost,
+                "exit_rate": float(pol["exit"][0] / pol["exit"][1]),
+                "reject_rate": float(pol["reject"][0] / pol["reject"][1]) if float(pol["reject"][1]) else None}
+
+    return {"source": "calibration", "held_out_prompts": len(prompts), "tokens": int(confs_t.shape[1]),
+            "per_gamma": {str(g): row([float(g)] * len(head.layers)) for g in head.val_gammas},
+            "configured": row([float(decoder.gammas[layer]) for layer in head.layers]),
+            "gammas": {str(k): float(v) for k, v in decoder.gammas.items()}}
+
+
 def describe(choice: dict | None) -> str:
     """One console line: the chosen tree and predicted τ / speedup (measured added by the caller)."""
     if not choice:
         return "tree: -"
     if not choice.get("applied"):
+        ada = choice.get("adadecode_model")
+        if ada:
+            c = ada["configured"]
+            return (f"adadecode model ({ada['held_out_prompts']} held-out prompts): expected layer steps/token "
+                    f"{c['expected_layer_steps_per_token']:.1f}, layer-step speedup {c['predicted_layer_step_speedup']:.2f}x")
         return f"tree: {choice.get('mode')} ({choice.get('reason')})"
     c = choice["chosen"]
     shape = f"{c['nodes']} nodes" + (f", depth {c['depth']}" if c.get("depth", -1) >= 0 else " (budget)")

@@ -135,3 +135,19 @@ def test_cost_model_interpolates_measured_grid():
     assert cm.verify_seconds(12) == pytest.approx(0.032)  # extrapolated from the last segment
     with pytest.raises(ValueError, match="eval.tree_grid is empty"):
         cost_model.check_grid([])
+
+
+def test_adadecode_reports_expected_layer_steps_per_gamma_beside_measured(tiny_base, tiny_model_dir, tmp_path,
+                                                                          sharegpt):
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "adadecode", "heads.layers=[1,2]", "eval.gamma=0.0")
+    _save_head(cfg, tiny_base, tmp_path)
+    rep = run_evaluation(cfg, base=tiny_base)
+    assert rep["parity"]["matched"] == 2
+    model = rep["tree"]["adadecode_model"]
+    assert model["source"] == "calibration" and model["held_out_prompts"] == 3 and model["tokens"] > 0
+    assert set(model["per_gamma"]) == {str(g) for g in cfg.heads.val_gammas}
+    # gamma 0: every token exits at layer 1 -> E[c] = 1 (right) or 1 + L (wrong) per token, L = 4
+    conf = model["configured"]
+    assert conf["exit_rate"] == 1.0
+    assert conf["expected_layer_steps_per_token"] == pytest.approx(1 + 4 * conf["reject_rate"])
+    assert rep["tree"]["measured_layer_steps_per_token"] == rep["method"]["decoder_summary"]["layer_steps_per_token"]
