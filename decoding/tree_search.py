@@ -450,6 +450,10 @@ class ScoreBudgetDrafter:
         keep = [0] + sorted(truncation_order(tree)[: self.max_nodes - 1])
         index = {old: new for new, old in enumerate(keep)}
         par = tree.parents.tolist()
+        orphan = next((u for u in keep[1:] if par[u] not in index), None)
+        if orphan is not None:
+            raise TreeError(f"{type(self.drafter).__name__}: node {orphan} scores above its parent; the dynamic budget "
+                            "needs scores that never increase down a path (cumulative log-probabilities)")
         return DraftTree(tree.tokens[keep], [-1] + [index[par[u]] for u in keep[1:]], tree.depths[keep],
                          tree.scores[keep], drafter_passes=tree.drafter_passes)
 

@@ -91,6 +91,9 @@ def test_bad_tree_config_is_a_clear_error(tiny_model_dir, tmp_path, sharegpt, ca
         _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.tree_nodes=5")
     with pytest.raises(ConfigError, match=r"eval.falcon_tree.paths: rank path \[0, 1\]: its parent \[0\] is missing"):
         _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.tree=config", "eval.falcon_tree={paths: [[0, 1]]}")
+    with pytest.raises(ConfigError, match=r"heads.decoding.tree.paths: rank path \[1, 0\]: its parent \[1\] is missing"):
+        _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "heads.decoding.tree.node_children=null",
+             "heads.decoding.tree.paths=[[0], [1, 0]]")
     with pytest.raises(SystemExit) as exc:
         main([f"model.path={tiny_model_dir}", "eval.tree=sometimes", "checkpoint=oracle"])
     assert exc.value.code == 2 and "eval.tree='sometimes' is not valid" in capsys.readouterr().err

@@ -132,3 +132,12 @@ def test_score_budget_drafter_keeps_the_best_nodes():
         want = DraftTree.from_parents([5, 7, 8, 9, 4, 3], [-1, 0, 0, 1, 1, 2], scores=[0, -0.1, -1.0, -0.3, -2.0, -1.2],
                                       max_nodes=n)
         assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+
+
+def test_score_budget_needs_monotone_scores():
+    class Bad:
+        def draft(self, root):
+            return DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 1]), scores=torch.tensor([0.0, -5.0, -1.0]))
+
+    with pytest.raises(TreeError, match="scores above its parent"):
+        ScoreBudgetDrafter(Bad(), 2).draft(5)
