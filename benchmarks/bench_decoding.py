@@ -41,11 +41,11 @@ from decoding.vanilla import eos_token_ids, greedy_generate  # noqa: E402
 from evaluation.prompts import read_jsonl_prompts, template  # noqa: E402
 
 
-def tree_forward_ms(model, sizes, context_tokens: int = 256, repeats: int = 5) -> dict[int, float]:
+def tree_forward_ms(model, sizes, context_tokens: int = 256, repeats: int = 5, clock: str = "wall") -> dict[int, float]:
     """c(n): median ms of one verification forward over a random n-node tree (root incl.) after
     ``context_tokens`` cached tokens — :func:`decoding.cost_model.measure_verify_ms`, the measurement
     ``eval.tree=auto`` caches and searches over."""
-    return dict(zip(sizes, measure_verify_ms(model, sizes, context_tokens, repeats)))
+    return dict(zip(sizes, measure_verify_ms(model, sizes, context_tokens, repeats, clock=clock)))
 
 
 def main(argv=None) -> int:
@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context-tokens", type=int, default=256, help="cached tokens before the tree in c(n)")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per tree size (median)")
     ap.add_argument("--cost-only", action="store_true", help="measure and print only the cost model c(n)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="c(n) clock: wall (what a run pays) | cpu (process CPU time; robust to a loaded machine at 1 thread)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -69,8 +71,8 @@ def main(argv=None) -> int:
     eos = eos_token_ids(tok, model)
     sizes = [int(s) for s in args.tree_sizes.split(",")]
     if args.cost_only:
-        ms = tree_forward_ms(model, sizes, args.context_tokens, args.repeats)
-        result = {"cost_model": {"key": cost_key(ident, model, sizes, args.context_tokens, args.repeats),
+        ms = tree_forward_ms(model, sizes, args.context_tokens, args.repeats, args.clock)
+        result = {"cost_model": {"key": cost_key(ident, model, sizes, args.context_tokens, args.repeats), "clock": args.clock,
                                  "tree_forward_ms": ms, "relative_to_one_token": {n: v / ms[sizes[0]] for n, v in ms.items()}}}
         return _emit(result, args.out, 0)
     prompts = [(pid, template(tok, msgs)) for pid, msgs in read_jsonl_prompts(args.prompts, limit=args.num_prompts)]
@@ -110,9 +112,9 @@ def main(argv=None) -> int:
         result[name] = {"tau": a["emitted"] / a["steps"] if a["steps"] else None, "tokens_per_s": tps,
                         "speedup": tps / van_tps, "drafter_time_share": a["drafter_seconds"] / a["seconds"],
                         "verify_only_tokens_per_s": verify_only, "verify_only_speedup": verify_only / van_tps}
-    ms = tree_forward_ms(model, sizes, args.context_tokens, args.repeats)
+    ms = tree_forward_ms(model, sizes, args.context_tokens, args.repeats, args.clock)
     result["tree_forward_ms"] = ms
-    result["cost_model"] = {"key": cost_key(ident, model, sizes, args.context_tokens, args.repeats),
+    result["cost_model"] = {"key": cost_key(ident, model, sizes, args.context_tokens, args.repeats), "clock": args.clock,
                             "tree_forward_ms": ms, "relative_to_one_token": {n: v / ms[sizes[0]] for n, v in ms.items()}}
     return _emit(result, args.out, 1 if mismatches else 0)
 

@@ -154,3 +154,12 @@ def test_adadecode_reports_expected_layer_steps_per_gamma_beside_measured(tiny_b
     assert conf["exit_rate"] == 1.0
     assert conf["expected_layer_steps_per_token"] == pytest.approx(1 + 4 * conf["reject_rate"])
     assert rep["tree"]["measured_layer_steps_per_token"] == rep["method"]["decoder_summary"]["layer_steps_per_token"]
+
+
+def test_cost_measurement_clocks(tiny_base):
+    model = tiny_base[0]
+    wall = cost_model.measure_verify_ms(model, [1, 4], context_tokens=8, repeats=1)
+    cpu = cost_model.measure_verify_ms(model, [1, 4], context_tokens=8, repeats=1, clock="cpu")
+    assert len(wall) == len(cpu) == 2 and min(wall) > 0 and min(cpu) >= 0
+    with pytest.raises(ValueError, match="clock='gpu'"):
+        cost_model.measure_verify_ms(model, [1], clock="gpu")
