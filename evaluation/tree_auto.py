@@ -156,6 +156,9 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     τ and speedup, the cost model).  Unchanged (with a note) for ``config``, non-tree heads and
     reference drafters.
 
+    An explicit ``eval.falcon_tree`` (Falcon) or ``eval.max_nodes`` (CTC) wins over ``auto`` /
+    ``dynamic``: that tree is used and the report says so.
+
     Raises:
         ValueError: an unknown ``eval.tree``, an empty ``eval.tree_grid``, a ``tree_nodes`` that is not
             calibrated; :class:`CalibrationError` when no held-out prompt is usable.
@@ -178,8 +181,11 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     if ev.get("tree_nodes") is not None and int(ev.tree_nodes) < 1:
         raise ValueError(f"eval.tree_nodes={ev.tree_nodes} must be >= 1 (root included)")
     fixed = {"falcon": "falcon_tree", "ctc": "max_nodes"}.get(head_type)
-    if fixed and ev.get(fixed) is not None:
-        raise ValueError(f"eval.{fixed} is set but eval.tree={mode} chooses the tree; add eval.tree=config to use eval.{fixed}")
+    if fixed and ev.get(fixed) is not None:  # the user chose the tree explicitly: it wins over auto
+        log.warning("eval.%s is set: using it, not eval.tree=%s", fixed, mode)
+        info["tree_choice"] = {"mode": mode, "applied": False,
+                               "reason": f"eval.{fixed} given explicitly: that tree is used (unset it to size the tree)"}
+        return decoder, info
     head = drafter.head
     setup_fn, choose_fn = PLANNERS[head_type]
     setup = setup_fn(head, ev)

@@ -163,3 +163,12 @@ def test_cost_measurement_clocks(tiny_base):
     assert len(wall) == len(cpu) == 2 and min(wall) > 0 and min(cpu) >= 0
     with pytest.raises(ValueError, match="clock='gpu'"):
         cost_model.measure_verify_ms(model, [1], clock="gpu")
+
+
+def test_explicit_tree_keys_win_over_auto(tiny_base, tiny_model_dir, tmp_path, sharegpt):
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "ctc", "eval.max_nodes=5")
+    _save_head(cfg, tiny_base, tmp_path)
+    rep = run_evaluation(cfg, base=tiny_base)
+    assert rep["tree"]["applied"] is False and "eval.max_nodes given explicitly" in rep["tree"]["reason"]
+    assert rep["parity"]["matched"] == 2
+    assert all(p["stats"]["tree_nodes"] <= 4 * p["stats"]["steps"] for p in rep["per_prompt"])
