@@ -10,8 +10,9 @@ What it measures (all greedy, batch size 1, same prompts, same process, interlea
   and cache-compaction overhead.
 * ``random``: :class:`decoding.reference.RandomDrafter` (τ ≈ 1): the pure overhead of verifying a
   tree that is never accepted.
-* ``tree_forward_ms``: one base forward over a tree of N nodes after a fixed context, for the
-  tree sizes heads may choose (``max_nodes``).
+* ``tree_forward_ms`` / ``cost_model``: c(n), one verification forward over a tree of n nodes after
+  ``--context-tokens`` cached tokens (the measurement ``eval.tree=auto`` caches per base, device,
+  dtype and threads), with its key and c(n)/c(1); ``--cost-only`` measures just this.
 
 Outputs must equal vanilla on every prompt (checked; a mismatch exits 1).
 
@@ -35,27 +36,16 @@ if str(ROOT) not in sys.path:
 from core.base_model import load_base_model  # noqa: E402
 from decoding.reference import OracleDrafter, RandomDrafter  # noqa: E402
 from decoding.speculative import SpeculativeDecoder  # noqa: E402
-from decoding.tree import DraftTree  # noqa: E402
+from decoding.cost_model import cost_key, measure_verify_ms  # noqa: E402
 from decoding.vanilla import eos_token_ids, greedy_generate  # noqa: E402
-from decoding.verify import prefill, verify_tree  # noqa: E402
 from evaluation.prompts import read_jsonl_prompts, template  # noqa: E402
 
 
-def tree_forward_ms(model, prompt: torch.Tensor, sizes, repeats: int = 5) -> dict[int, float]:
-    """Median ms of one verification forward over a random N-node tree (N incl. root) after ``prompt``."""
-    out = {}
-    gen = torch.Generator().manual_seed(0)
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
-            cache, root, _ = prefill(model, prompt)
-            paths = [torch.randint(0, model.config.vocab_size, (4,), generator=gen).tolist() for _ in range(n)]
-            tree = DraftTree.from_paths(root, paths, max_nodes=n)
-            t0 = time.perf_counter()
-            verify_tree(model, cache, tree)
-            times.append(time.perf_counter() - t0)
-        out[n] = 1000 * sorted(times)[len(times) // 2]
-    return out
+def tree_forward_ms(model, sizes, context_tokens: int = 256, repeats: int = 5, clock: str = "wall") -> dict[int, float]:
+    """c(n): median ms of one verification forward over a random n-node tree (root incl.) after
+    ``context_tokens`` cached tokens — :func:`decoding.cost_model.measure_verify_ms`, the measurement
+    ``eval.tree=auto`` caches and searches over."""
+    return dict(zip(sizes, measure_verify_ms(model, sizes, context_tokens, repeats, clock=clock)))
 
 
 def main(argv=None) -> int:
@@ -67,13 +57,24 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--width", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--tree-sizes", default="1,2,4,8,16,32,64")
+    ap.add_argument("--tree-sizes", default="1,2,3,4,6,8,12,16,24,32,48,64")
+    ap.add_argument("--context-tokens", type=int, default=256, help="cached tokens before the tree in c(n)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats per tree size (median)")
+    ap.add_argument("--cost-only", action="store_true", help="measure and print only the cost model c(n)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="c(n) clock: wall (what a run pays) | cpu (process CPU time; robust to a loaded machine at 1 thread)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok, ident = load_base_model({"path": args.model_path, "dtype": "float32", "attn_implementation": "eager"})
     eos = eos_token_ids(tok, model)
+    sizes = [int(s) for s in args.tree_sizes.split(",")]
+    if args.cost_only:
+        ms = tree_forward_ms(model, sizes, args.context_tokens, args.repeats, args.clock)
+        result = {"cost_model": {"key": cost_key(ident, model, sizes, args.context_tokens, args.repeats), "clock": args.clock,
+                                 "tree_forward_ms": ms, "relative_to_one_token": {n: v / ms[sizes[0]] for n, v in ms.items()}}}
+        return _emit(result, args.out, 0)
     prompts = [(pid, template(tok, msgs)) for pid, msgs in read_jsonl_prompts(args.prompts, limit=args.num_prompts)]
     decoders = {
         "oracle": SpeculativeDecoder(model, OracleDrafter(model, args.depth, args.width), eos),
@@ -111,15 +112,21 @@ def main(argv=None) -> int:
         result[name] = {"tau": a["emitted"] / a["steps"] if a["steps"] else None, "tokens_per_s": tps,
                         "speedup": tps / van_tps, "drafter_time_share": a["drafter_seconds"] / a["seconds"],
                         "verify_only_tokens_per_s": verify_only, "verify_only_speedup": verify_only / van_tps}
-    sizes = [int(s) for s in args.tree_sizes.split(",")]
-    result["tree_forward_ms"] = tree_forward_ms(model, prompts[0][1], sizes)
+    ms = tree_forward_ms(model, sizes, args.context_tokens, args.repeats, args.clock)
+    result["tree_forward_ms"] = ms
+    result["cost_model"] = {"key": cost_key(ident, model, sizes, args.context_tokens, args.repeats), "clock": args.clock,
+                            "tree_forward_ms": ms, "relative_to_one_token": {n: v / ms[sizes[0]] for n, v in ms.items()}}
+    return _emit(result, args.out, 1 if mismatches else 0)
+
+
+def _emit(result, out, rc: int) -> int:
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
+    if out:
         from core.io import atomic_write_text
 
-        atomic_write_text(args.out, text + "\n")
-    return 1 if mismatches else 0
+        atomic_write_text(out, text + "\n")
+    return rc
 
 
 if __name__ == "__main__":

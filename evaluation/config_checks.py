@@ -28,6 +28,7 @@ def _eval_checks(cfg: DictConfig) -> None:
     check_range(cfg, "eval.reference_width", 1, None)
     check_choice(cfg, "eval.dtype", DTYPES)
     check_device(cfg.eval.get("device"))
+    _tree_checks(cfg)
 
 
 def check_device(dev) -> None:
@@ -54,3 +55,35 @@ def check_device(dev) -> None:
         raise ConfigError(f"eval.device={dev}: only {torch.cuda.device_count()} CUDA device(s) visible")
     if dev == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ConfigError("eval.device=mps, but MPS is not available on this machine; use eval.device=cpu or null")
+
+
+def _tree_checks(cfg: DictConfig) -> None:
+    """``eval.tree*`` (issue 14): a known mode, a non-empty grid of node counts, ``tree_nodes`` in it,
+    and Falcon rank-tree specs given as paths that are trees (every path's parent listed too)."""
+    if "tree" not in cfg.eval:
+        return
+    check_choice(cfg, "eval.tree", ("auto", "dynamic", "config"))
+    grid = cfg.eval.get("tree_grid")
+    if grid is None or len(grid) == 0:
+        raise ConfigError("eval.tree_grid is empty: give the node counts (root included) to measure and search, "
+                          "e.g. [1, 2, 4, 8, 16, 32, 64]")
+    if any(not isinstance(n, int) or n < 1 for n in grid):
+        raise ConfigError(f"eval.tree_grid={list(grid)}: node counts must be integers >= 1 (root included)")
+    tn = cfg.eval.get("tree_nodes")
+    if tn is not None and tn not in list(grid):
+        raise ConfigError(f"eval.tree_nodes={tn} must be one of eval.tree_grid={list(grid)}")
+    for key in ("tree_max_rank", "cost_context_tokens", "calibration_prompts"):
+        check_range(cfg, f"eval.{key}", 1, None)
+    if cfg.eval.get("calibration_max_new_tokens") is not None:
+        check_range(cfg, "eval.calibration_max_new_tokens", 1, None)
+    head_tree = OmegaConf.select(cfg, "heads.decoding.tree") if OmegaConf.select(cfg, "heads.type") == "falcon" else None
+    for key, spec in (("eval.falcon_tree", cfg.eval.get("falcon_tree")), ("heads.decoding.tree", head_tree)):
+        if spec is None or not isinstance(spec, DictConfig) or spec.get("paths") is None:
+            continue
+        from decoding.tree import TreeError
+        from decoding.tree_search import check_rank_tree
+
+        try:
+            check_rank_tree(OmegaConf.to_container(spec.paths), contiguous=False)
+        except TreeError as exc:
+            raise ConfigError(f"{key}.paths: {exc}") from None

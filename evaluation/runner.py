@@ -330,6 +330,7 @@ def _report(info, identity, device, model, ev, prompts, skipped, max_new, eos_id
                                     "method": method.get("base_forwards_per_token")},
         "drafter_passes_per_step": method.get("drafter_passes_per_step"),
         "speedup": (method["tokens_per_s"] / vanilla["tokens_per_s"]) if method.get("tokens_per_s") and vanilla["tokens_per_s"] else None,
+        "tree": tree_report(info.get("tree_choice"), method, vanilla),
         "parity": parity, "parity_per_turn": {t: g["parity"] for t, g in per_turn.items()},
         "turns": str(ev.get("turns", 1)), "per_turn": per_turn, "per_category": group_table(rows, stats, "category"),
         "timing": timing,
@@ -340,6 +341,21 @@ def _report(info, identity, device, model, ev, prompts, skipped, max_new, eos_id
         "vanilla": vanilla, "method": method, "per_prompt": rows,
         "output_dir": str(out_dir),
     }
+
+
+def tree_report(choice: dict[str, Any] | None, method: dict[str, Any], vanilla: dict[str, Any]) -> dict[str, Any] | None:
+    """``eval.tree``'s choice (:mod:`evaluation.tree_auto`) with the measured τ and speedup beside the predicted."""
+    if choice is None:
+        return None
+    out = dict(choice)
+    summary = method.get("decoder_summary") or {}
+    if "adadecode_model" in choice:
+        out["measured_layer_steps_per_token"] = summary.get("layer_steps_per_token")
+        out["measured_layer_step_speedup"] = summary.get("layer_step_speedup")
+    if choice.get("applied"):
+        speed = (method["tokens_per_s"] / vanilla["tokens_per_s"]) if method.get("tokens_per_s") and vanilla["tokens_per_s"] else None
+        out.update(measured_tau=method.get("tau"), measured_speedup=speed)
+    return out
 
 
 def _timed(fn, ids, max_new, device):
@@ -622,6 +638,11 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
             check_context_limit(model, n - int(ev.max_new_tokens), int(ev.max_new_tokens),
                                 what=f"eval prompt {p.id!r} turn {t} (earlier answers at their longest): ",
                                 budget_key="eval.max_new_tokens")
+    # eval.tree=auto|dynamic: cost model + held-out calibration -> each tree head's tree (before anything is written)
+    from evaluation.tree_auto import plan_tree
+
+    methods = [(name, vcfg, *plan_tree(vcfg, dec, info, model, identity, tokenizer, prompts, eos_ids))
+               for name, vcfg, dec, info in methods]
     out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, methods[0][3])
     out_dir.mkdir(parents=True, exist_ok=True)
     # refuses (before anything is written) when out_dir holds results and resume is not auto
@@ -728,6 +749,21 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     return result
 
 
+def tree_line(tree: dict[str, Any] | None) -> str:
+    """The chosen tree with predicted vs measured τ and speedup, one console line."""
+    from evaluation.tree_auto import describe
+
+    line = describe(tree)
+    if tree and "adadecode_model" in tree:
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        line += (f"; measured {fmt(tree.get('measured_layer_steps_per_token'))} steps/token, "
+                 f"{fmt(tree.get('measured_layer_step_speedup'))}x")
+    if tree and tree.get("applied"):
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        line += f"; measured tau {fmt(tree.get('measured_tau'))}, speedup {fmt(tree.get('measured_speedup'))}x"
+    return line
+
+
 def summary_row(name: str | None, report: dict[str, Any]) -> dict[str, Any]:
     """One line of a results table from a report: τ, acceptance, passes, speedup (and its mean ±
     std over ``eval.repeats``), parity (overall and per turn), per-category τ and speedup, and the
@@ -748,8 +784,19 @@ def summary_row(name: str | None, report: dict[str, Any]) -> dict[str, Any]:
             "base_forwards_per_token": report["base_forwards_per_token"]["method"],
             "tokens_per_s": m.get("tokens_per_s"), "speedup": report.get("speedup"),
             "drafter_time_share": m.get("drafter_time_share"),
+            "tree": tree_summary(report.get("tree")),
             "parity": parity_text(report),
             "decoder_summary": m.get("decoder_summary")}
+
+
+def tree_summary(tree: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The table cells of a tree choice: mode, nodes, depth, predicted and measured τ / speedup."""
+    if not tree or not tree.get("applied"):
+        return None
+    c = tree["chosen"]
+    return {"mode": tree["mode"], "nodes": c["nodes"], "depth": c.get("depth"), "predicted_tau": tree["predicted_tau"],
+            "measured_tau": tree.get("measured_tau"), "predicted_speedup": tree["predicted_speedup"],
+            "measured_speedup": tree.get("measured_speedup")}
 
 
 def format_summary(report: dict[str, Any]) -> str:
@@ -777,6 +824,7 @@ def format_summary(report: dict[str, Any]) -> str:
         f"base forwards/token: vanilla {fmt(v['base_forwards_per_token'])}, method {fmt(m.get('base_forwards_per_token'))}",
         f"tokens/s: vanilla {fmt(v['tokens_per_s'], '{:.1f}')}, method {fmt(m.get('tokens_per_s'), '{:.1f}')}  "
         f"speedup {fmt(report.get('speedup'), '{:.2f}')}x  (drafter time share {fmt(m.get('drafter_time_share'), '{:.2f}')})",
+        tree_line(report.get("tree")),
         f"report: {report['output_dir']}/report.json",
     ]
     return "\n".join(lines)

@@ -30,6 +30,7 @@ def prompts_file(tmp_path):
 
 def _argv(tiny_model_dir, tmp_path, *extra):
     return [f"model.path={tiny_model_dir}", "model.attn_implementation=eager", f"eval.output_dir={tmp_path / 'out'}",
+            f"output_root={tmp_path / 'root'}",
             "eval.max_new_tokens=12", "eval.warmup=0", *extra]
 
 

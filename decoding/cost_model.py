@@ -1,0 +1,173 @@
+"""The verification cost model c(n): one base forward over n tree tokens, measured on the run's hardware.
+
+c(n) is what a tree of n nodes (root included) costs per decoding step — the quantity Sequoia's
+tree search and EAGLE-2's ``total_token=-1`` budget selection time on the target hardware.  It
+is measured, never assumed: after a prefill of ``context_tokens`` random tokens, one
+:func:`decoding.verify.verify_tree` (tree-attention forward + argmax + KV compaction) over a
+random n-node tree, repeated, the median kept; the cache is cropped back between repeats so every
+measurement sees the same context length.
+
+Measurements are cached as JSON per (base identity, device, dtype, threads, grid, context
+length) under ``<output_root>/cost_model/``; any change of these keys gives another file, i.e. a
+re-measurement (:func:`load_or_measure`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from core.io import atomic_write_json, sha256_json
+from decoding.tree import DraftTree
+from decoding.verify import crop_cache, model_device, prefill, verify_tree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CostModel:
+    """Measured verification cost.
+
+    Attributes:
+        sizes: node counts n (root incl.), ascending.
+        verify_ms: median milliseconds of one verification forward per size.
+        key: what the measurement depends on (base identity, device, dtype, threads, grid, context).
+        context_tokens: cached tokens before the tree.
+        repeats: timed repeats per size.
+        path: the cache file it was loaded from / written to (None if not cached).
+    """
+
+    sizes: list[int]
+    verify_ms: list[float]
+    key: dict[str, Any]
+    context_tokens: int
+    repeats: int
+    path: str | None = None
+    measured_at: float | None = None
+
+    def verify_seconds(self, n: int) -> float:
+        """c(n) in seconds: piecewise-linear interpolation over the grid, linear extrapolation
+        beyond it from the nearest segment (constant when the grid has one point)."""
+        xs, ys = self.sizes, self.verify_ms
+        n = float(n)
+        if len(xs) == 1:
+            return ys[0] / 1000.0
+        if n <= xs[0]:
+            i = 0
+        elif n >= xs[-1]:
+            i = len(xs) - 2
+        else:
+            i = next(j for j in range(len(xs) - 1) if xs[j] <= n <= xs[j + 1])
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        y = y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        return max(y, 0.0) / 1000.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sizes": self.sizes, "verify_ms": self.verify_ms, "key": self.key, "context_tokens": self.context_tokens,
+                "repeats": self.repeats, "path": self.path, "measured_at": self.measured_at}
+
+
+def check_grid(sizes: Sequence[int] | None, where: str = "eval.tree_grid") -> list[int]:
+    """Sorted distinct node counts; raises ValueError naming ``where`` for an empty grid or n < 1."""
+    grid = sorted({int(n) for n in (sizes or [])})
+    if not grid:
+        raise ValueError(f"{where} is empty: give the node counts (root included) to measure, e.g. [1, 2, 4, 8, 16]")
+    if grid[0] < 1:
+        raise ValueError(f"{where}={list(sizes)}: node counts must be >= 1 (the root)")
+    return grid
+
+
+@torch.no_grad()
+def measure_verify_ms(model, sizes: Sequence[int], context_tokens: int = 256, repeats: int = 5,
+                      seed: int = 0, clock: str = "wall") -> list[float]:
+    """Median ms of one verification forward over a random n-node tree after ``context_tokens``.
+
+    The tree is a random trie of depth ≤ 4 (its shape hardly matters to one forward: the cost is
+    the n query tokens plus the ancestor mask); the context is random token ids.  One untimed
+    forward warms up first.
+
+    Args:
+        clock: ``wall`` (``time.perf_counter``, what a run pays; the default and what
+            ``eval.tree=auto`` uses) or ``cpu`` (``time.process_time``: CPU seconds of this process
+            over all its threads, which time spent descheduled on a shared machine does not inflate;
+            at one thread it approximates the wall clock of an idle core).
+
+    Raises:
+        ValueError: an unknown ``clock``.
+
+    Returns:
+        one float per size (same order as ``sizes``).
+    """
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock={clock!r}: use wall or cpu")
+    now = time.perf_counter if clock == "wall" else time.process_time
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(model.config.vocab_size)
+    ctx = torch.randint(0, vocab, (max(int(context_tokens), 1),), generator=gen)
+    cache, root, _ = prefill(model, ctx)
+    past = cache.get_seq_length()
+    dev = model_device(model)
+    out = []
+    for n in sizes:
+        paths = [torch.randint(0, vocab, (4,), generator=gen).tolist() for _ in range(int(n))]
+        tree = DraftTree.from_paths(root, paths, max_nodes=int(n))
+        times = []
+        for i in range(int(repeats) + 1):
+            crop_cache(cache, past)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = now()
+            verify_tree(model, cache, tree)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if i:  # the first is a warm-up
+                times.append(now() - t0)
+        out.append(1000.0 * sorted(times)[len(times) // 2])
+    crop_cache(cache, past)
+    return out
+
+
+def cost_key(identity, model, sizes: Sequence[int], context_tokens: int, repeats: int) -> dict[str, Any]:
+    """What a measurement depends on: base identity, device, dtype, intra-op threads, grid, context."""
+    ident = identity.to_dict() if hasattr(identity, "to_dict") else identity
+    dev = model_device(model)
+    device = str(dev)
+    if dev.type == "cuda":
+        device += f" ({torch.cuda.get_device_name(dev)})"
+    return {"base": ident, "device": device, "dtype": str(model.dtype).replace("torch.", ""),
+            "threads": int(torch.get_num_threads()), "sizes": [int(n) for n in sizes],
+            "context_tokens": int(context_tokens), "repeats": int(repeats), "torch": torch.__version__}
+
+
+def load_or_measure(model, identity, root: str | Path, sizes: Sequence[int], context_tokens: int = 256,
+                    repeats: int = 5) -> CostModel:
+    """The cached :class:`CostModel` for this (base, device, dtype, threads, grid, context), measured
+    and written atomically to ``<root>/cost_model/<hash>.json`` when absent (or unreadable).
+
+    Raises:
+        ValueError: empty grid (:func:`check_grid`).
+    """
+    grid = check_grid(sizes)
+    key = cost_key(identity, model, grid, context_tokens, repeats)
+    path = Path(root) / "cost_model" / f"{sha256_json(key)[:16]}.json"
+    if path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            if d.get("key") == key:
+                return CostModel(sizes=list(d["sizes"]), verify_ms=list(d["verify_ms"]), key=key,
+                                 context_tokens=int(d["context_tokens"]), repeats=int(d["repeats"]), path=str(path),
+                                 measured_at=d.get("measured_at"))
+        except (ValueError, KeyError, TypeError):
+            log.warning("cost model %s unreadable; measuring again", path)
+    log.info("measuring c(n) for n in %s at context %d on %s (%s, %d threads)", grid, context_tokens, key["device"],
+             key["dtype"], key["threads"])
+    ms = measure_verify_ms(model, grid, context_tokens, repeats)
+    cm = CostModel(sizes=grid, verify_ms=ms, key=key, context_tokens=int(context_tokens), repeats=int(repeats),
+                   path=str(path), measured_at=time.time())
+    atomic_write_json(path, cm.to_dict())
+    return cm

@@ -1,0 +1,308 @@
+"""``eval.tree=auto|dynamic``: size each head's draft tree to the hardware before decoding.
+
+Inputs (issue 14):
+
+* the cost model c(n) (:mod:`decoding.cost_model`, cached under ``<output_root>/cost_model/``);
+* the head's acceptance statistics (:class:`decoding.tree_search.AcceptanceStats`), measured by a
+  **calibration pass** on held-out ShareGPT first turns — never on the evaluation prompts (ids and
+  token ids of the evaluation prompts are excluded) — with the head's own drafter and a wide
+  calibration tree; cached under ``<output_root>/calibration/`` per (checkpoint weights, head
+  config, calibration tree, prompts, device, dtype, threads).  The drafter's seconds per pass come
+  from the same pass.
+
+Per head type (a planner per type; a new tree head registers one in :data:`PLANNERS`):
+
+* ``falcon`` (k ≥ 1, incl. the k = 1 EAGLE-1-style head): calibration tree = the rank-0 spine with
+  ``eval.tree_max_rank`` children at every depth up to passes·k.  ``auto``: the Sequoia-style DP
+  tree (:func:`decoding.tree_search.choose_rank_tree`), drafter cost ⌈depth/k⌉ passes.
+  ``dynamic``: the calibration tree cut every step to its n* best nodes by cumulative draft
+  probability (:class:`decoding.tree_search.ScoreBudgetDrafter`), n* from the cost model.
+* ``ctc``: the trie keeps its best-scoring nodes already, so ``auto`` = ``dynamic`` = the candidate
+  budget ``max_nodes`` = n* maximising τ(n) / (c(n) + drafter).
+
+``eval.tree=config`` keeps the head's configured tree.  Heads without a tree (AdaDecode) and the
+reference drafters are left as they are (the report says so).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from core.io import atomic_write_json, sha256_file, sha256_json
+from decoding.cost_model import CostModel, check_grid, load_or_measure
+from decoding.speculative import SpeculativeDecoder
+from decoding.tree_search import (AcceptanceStats, RecordingDrafter, ScoreBudgetDrafter, choose_budget,
+                                  choose_rank_tree)
+
+log = logging.getLogger(__name__)
+TREE_MODES = ("auto", "dynamic", "config")
+
+
+class CalibrationError(ValueError):
+    """No usable held-out prompt for the calibration pass (raised before any decoding)."""
+
+
+def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:
+    """Held-out ShareGPT first turns for calibration, the last ``count`` usable ones of the split,
+    excluding every evaluation prompt.
+
+    Args:
+        cfg: the composed config (``data`` section; ``eval.max_prompt_tokens``).
+        tokenizer: the base tokenizer.
+        eval_prompts: the evaluation's :class:`evaluation.prompts.Prompt` list (excluded by id and
+            by templated token ids).
+        count: how many to take.
+
+    Raises:
+        CalibrationError: none is usable (all excluded or over-long, or the held-out split is empty).
+    """
+    from data_prep.pipeline import heldout_prompts
+    from evaluation.prompts import Prompt, template
+
+    banned_ids = {p.id for p in eval_prompts}
+    banned_tokens = {tuple(p.input_ids.tolist()) for p in eval_prompts}
+    max_len = cfg.eval.get("max_prompt_tokens")
+    out = []
+    seen = 0
+    # from the END of the held-out split: evaluations on held-out ShareGPT take its first prompts, so every shard
+    # of a sharded evaluation (eval.prompt_offset) calibrates on the same prompts, none of them evaluated
+    for pid, messages in reversed(list(heldout_prompts(cfg.data))):
+        seen += 1
+        if pid in banned_ids:
+            continue
+        ids = template(tokenizer, messages)
+        if tuple(ids.tolist()) in banned_tokens or (max_len is not None and ids.numel() > int(max_len)):
+            continue
+        out.append(Prompt(pid, messages, ids))
+        if len(out) >= count:
+            break
+    if not out:
+        raise CalibrationError(f"eval.tree={cfg.eval.tree}: no usable held-out ShareGPT prompt for the calibration pass "
+                               f"({seen} held-out conversations in data.path={cfg.data.get('path')}, all excluded as "
+                               "evaluation prompts or longer than eval.max_prompt_tokens); use eval.tree=config")
+    return out
+
+
+def calibrate(model, drafter, prompts, max_new_tokens: int, eos_ids, budget_sizes) -> AcceptanceStats:
+    """Decode ``prompts`` with ``drafter`` (lossless speculative decoding) and replay every drafted
+    tree against the greedy continuation that followed its root (module doc).  The last step of
+    each prompt is replayed only as far as the continuation reaches."""
+    rec = RecordingDrafter(drafter)
+    dec = SpeculativeDecoder(model, rec, eos_ids)
+    stats = AcceptanceStats(budget_sizes=list(budget_sizes))
+    for p in prompts:
+        out, st = dec.generate(p.input_ids, max_new_tokens)
+        pos = 0
+        for tree, emitted in zip(rec.trees, st["emitted_per_step"]):
+            stats.add_step(tree, out[pos + 1:])
+            pos += emitted
+        stats.drafter_passes += int(st["drafter_passes"])
+        stats.drafter_seconds += float(st["drafter_seconds"])
+    return stats
+
+
+def _spine_tree(depth: int, rank: int) -> dict:
+    return {"node_children": {("root" if d == 0 else ",".join(["0"] * d)): int(rank) for d in range(depth)}}
+
+
+def _falcon_setup(head, ev) -> dict[str, Any]:
+    k = int(head.k)
+    passes = int(ev.get("falcon_passes") or head.cfg["decoding"]["passes"])
+    R = int(ev.tree_max_rank)
+    return {"k": k, "passes": passes, "max_depth": passes * k, "max_rank": R,
+            "calibration_kwargs": {"falcon_passes": passes, "falcon_tree": _spine_tree(passes * k, R)}}
+
+
+def _ctc_setup(head, ev) -> dict[str, Any]:
+    grid = check_grid(ev.tree_grid)
+    return {"calibration_kwargs": {"max_nodes": max(grid)}}
+
+
+def _falcon_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[dict, dict, Callable | None]:
+    per_pass = stats.drafter_seconds_per_pass() or 0.0
+    k = setup["k"]
+    if ev.tree == "dynamic":
+        passes_per_step = stats.drafter_passes / stats.steps if stats.steps else 0.0
+        choice = choose_budget(stats.budget_tau(), cost.verify_seconds, passes_per_step * per_pass, ev.get("tree_nodes"))
+        return (choice.to_dict() | {"max_nodes": choice.nodes}, setup["calibration_kwargs"],
+                lambda d: ScoreBudgetDrafter(d, choice.nodes))
+    p = stats.rank_acceptance()
+    if not p:
+        p = [[0.0]]
+    choice = choose_rank_tree(p, cost.verify_seconds, lambda depth: math.ceil(depth / k) * per_pass,
+                              check_grid(ev.tree_grid), setup["max_depth"], ev.get("tree_nodes"))
+    passes = max(1, math.ceil(choice.depth / k))
+    kwargs = {"falcon_passes": passes, "falcon_tree": {"paths": [list(q) for q in choice.paths[1:]]}}
+    return choice.to_dict() | {"falcon_passes": passes}, kwargs, None
+
+
+def _ctc_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[dict, dict, Callable | None]:
+    per_step = stats.drafter_seconds / stats.steps if stats.steps else 0.0
+    choice = choose_budget(stats.budget_tau(), cost.verify_seconds, per_step, ev.get("tree_nodes"))
+    return choice.to_dict() | {"max_nodes": choice.nodes}, {"max_nodes": choice.nodes}, None
+
+
+# head type -> (setup(head, eval) -> dict with calibration_kwargs, choose(setup, stats, cost, eval))
+PLANNERS: dict[str, tuple[Callable, Callable]] = {"falcon": (_falcon_setup, _falcon_choose), "ctc": (_ctc_setup, _ctc_choose)}
+
+
+def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts, eos_ids):
+    """Apply ``eval.tree`` to one method: returns ``(decoder, info)`` with the drafter rebuilt for the
+    chosen tree and ``info["tree_choice"]`` (mode, source of the statistics, chosen tree, predicted
+    τ and speedup, the cost model).  Unchanged (with a note) for ``config``, non-tree heads and
+    reference drafters.
+
+    An explicit ``eval.falcon_tree`` (Falcon) or ``eval.max_nodes`` (CTC) wins over ``auto`` /
+    ``dynamic``: that tree is used and the report says so.
+
+    Raises:
+        ValueError: an unknown ``eval.tree``, an empty ``eval.tree_grid``, a ``tree_nodes`` that is not
+            calibrated; :class:`CalibrationError` when no held-out prompt is usable.
+    """
+    ev = cfg.eval
+    mode = str(ev.get("tree") or "config")
+    if mode not in TREE_MODES:
+        raise ValueError(f"eval.tree={mode!r} is not one of {', '.join(TREE_MODES)}")
+    head_type = str(info.get("head_type"))
+    drafter = getattr(decoder, "drafter", None)
+    if mode != "config" and head_type == "adadecode" and hasattr(decoder, "gammas"):
+        info["tree_choice"] = {"mode": mode, "applied": False, "reason": "adadecode has no tree to size",
+                               "adadecode_model": predict_adadecode(cfg, decoder, model, tokenizer, eval_prompts, eos_ids)}
+        return decoder, info
+    if mode == "config" or head_type not in PLANNERS or not isinstance(decoder, SpeculativeDecoder):
+        info["tree_choice"] = {"mode": mode, "applied": False,
+                               "reason": "eval.tree=config" if mode == "config" else f"{head_type} has no tree to size"}
+        return decoder, info
+    check_grid(ev.tree_grid)
+    if ev.get("tree_nodes") is not None and int(ev.tree_nodes) < 1:
+        raise ValueError(f"eval.tree_nodes={ev.tree_nodes} must be >= 1 (root included)")
+    fixed = {"falcon": "falcon_tree", "ctc": "max_nodes"}.get(head_type)
+    if fixed and ev.get(fixed) is not None:  # the user chose the tree explicitly: it wins over auto
+        log.warning("eval.%s is set: using it, not eval.tree=%s", fixed, mode)
+        info["tree_choice"] = {"mode": mode, "applied": False,
+                               "reason": f"eval.{fixed} given explicitly: that tree is used (unset it to size the tree)"}
+        return decoder, info
+    head = drafter.head
+    setup_fn, choose_fn = PLANNERS[head_type]
+    setup = setup_fn(head, ev)
+    root = Path(str(cfg.get("output_root") or "outputs"))
+    prompts = calibration_prompts(cfg, tokenizer, eval_prompts, int(ev.calibration_prompts))
+    grid = check_grid(ev.tree_grid)
+    cost = load_or_measure(model, identity, root, grid, int(ev.cost_context_tokens))
+    max_new = int(ev.get("calibration_max_new_tokens") or ev.max_new_tokens)
+    ckpt = Path(str(ev.checkpoint))
+    key = {"weights": sha256_file(ckpt / "model.safetensors"), "head": info.get("head_config"),
+           "calibration": setup["calibration_kwargs"], "grid": grid, "prompts": [p.id for p in prompts],
+           "prompt_tokens": sha256_json([p.input_ids.tolist() for p in prompts]), "max_new_tokens": max_new,
+           "device": cost.key["device"], "dtype": cost.key["dtype"], "threads": cost.key["threads"]}
+    path = root / "calibration" / f"{head_type}-{sha256_json(key)[:16]}.json"
+    stats = None
+    if path.is_file():
+        try:
+            import json
+
+            d = json.loads(path.read_text())
+            if d.get("key") == key:
+                stats = AcceptanceStats.from_dict(d["stats"])
+        except (ValueError, KeyError, TypeError):
+            stats = None
+    if stats is None:
+        log.info("calibrating %s acceptance on %d held-out ShareGPT prompts (max_new_tokens=%d)", head_type,
+                 len(prompts), max_new)
+        cal = head.make_drafter(model, eos_token_ids=list(eos_ids), **setup["calibration_kwargs"])
+        stats = calibrate(model, cal, prompts, max_new, eos_ids, grid)
+        atomic_write_json(path, {"key": key, "stats": stats.to_dict()})
+    chosen, kwargs, wrap = choose_fn(setup, stats, cost, ev)
+    from core.config import to_container
+
+    make_kwargs = {k: v for k, v in to_container(ev).items()}
+    make_kwargs.update(kwargs)
+    make_kwargs["eos_token_ids"] = list(eos_ids)
+    new = head.make_drafter(model, **make_kwargs)
+    if wrap is not None:
+        new = wrap(new)
+    decoder.drafter = new
+    info["tree_choice"] = {
+        "mode": mode, "applied": True, "chosen": chosen,
+        "statistics": {"source": "calibration", "path": str(path), "held_out_prompts": len(prompts),
+                       "steps": stats.steps, "max_new_tokens": max_new, "rank_acceptance": stats.rank_acceptance(),
+                       "budget_tau": stats.budget_tau(),
+                       "drafter_ms_per_pass": 1000 * (stats.drafter_seconds_per_pass() or 0.0)},
+        "cost_model": cost.to_dict(),
+        "predicted_tau": chosen["tau"], "predicted_speedup": chosen["speedup"],
+    }
+    log.info("eval.tree=%s for %s: %d nodes, predicted tau %.2f, speedup %.2fx", mode, head_type, chosen["nodes"],
+             chosen["tau"], chosen["speedup"])
+    return decoder, info
+
+
+@torch.no_grad()
+def predict_adadecode(cfg, decoder, model, tokenizer, eval_prompts, eos_ids) -> dict[str, Any]:
+    """AdaDecode's cost model per threshold γ on held-out prompts (never the evaluation prompts).
+
+    The held-out prompts are decoded greedily; one base forward over prompt + continuation gives
+    hs[ℓ] and the greedy labels at every generated position, and the head's exit policy is
+    simulated there (:meth:`heads.adadecode.AdaDecodeHead.validation_metrics`: exit at the first
+    candidate layer with confidence ≥ γ; sequential layer steps c = L, e or e + L).  Returns the
+    expected layer steps per token and the layer-step speedup L / E[c] for every
+    ``heads.val_gammas`` threshold and for the decoder's own schedule (``configured``), to set
+    beside the measured ``decoder_summary.layer_steps_per_token``.
+
+    Raises:
+        CalibrationError: no usable held-out prompt.
+    """
+    import heads
+    from decoding.vanilla import greedy_generate
+
+    ev = cfg.eval
+    head, _ = heads.load(Path(str(ev.checkpoint)), base_model=model)
+    head.to(next(model.parameters()).device).eval()
+    prompts = calibration_prompts(cfg, tokenizer, eval_prompts, int(ev.calibration_prompts))
+    max_new = int(ev.get("calibration_max_new_tokens") or ev.max_new_tokens)
+    L = int(model.config.num_hidden_layers)
+    confs, correct = [], []
+    for p in prompts:
+        out, _ = greedy_generate(model, p.input_ids, max_new, eos_ids)
+        ids = torch.cat([p.input_ids, torch.tensor(out[:-1], dtype=torch.long)]).to(next(model.parameters()).device)
+        res = model(input_ids=ids[None], output_hidden_states=True)
+        hs = res.hidden_states
+        t0 = p.input_ids.numel() - 1  # positions predicting the generated tokens
+        labels = res.logits[0, t0:].argmax(-1)
+        _, c, a, _ = head._chunk_stats(hs[L][0, t0:], *[hs[layer][0, t0:] for layer in head.layers], want_preds=True)
+        confs.append(c)
+        correct.append(a == labels.unsqueeze(0))
+    confs_t, correct_t = torch.cat(confs, 1), torch.cat(correct, 1)
+
+    def row(gammas) -> dict[str, float]:
+        pol = head._policy(confs_t, correct_t, gammas)
+        cost = float(pol["cost"][0] / pol["cost"][1])
+        return {"expected_layer_steps_per_token": cost * L, "predicted_layer_step_speedup": 1.0 / cost,
+                "exit_rate": float(pol["exit"][0] / pol["exit"][1]),
+                "reject_rate": float(pol["reject"][0] / pol["reject"][1]) if float(pol["reject"][1]) else None}
+
+    return {"source": "calibration", "held_out_prompts": len(prompts), "tokens": int(confs_t.shape[1]),
+            "per_gamma": {str(g): row([float(g)] * len(head.layers)) for g in head.val_gammas},
+            "configured": row([float(decoder.gammas[layer]) for layer in head.layers]),
+            "gammas": {str(k): float(v) for k, v in decoder.gammas.items()}}
+
+
+def describe(choice: dict | None) -> str:
+    """One console line: the chosen tree and predicted τ / speedup (measured added by the caller)."""
+    if not choice:
+        return "tree: -"
+    if not choice.get("applied"):
+        ada = choice.get("adadecode_model")
+        if ada:
+            c = ada["configured"]
+            return (f"adadecode model ({ada['held_out_prompts']} held-out prompts): expected layer steps/token "
+                    f"{c['expected_layer_steps_per_token']:.1f}, layer-step speedup {c['predicted_layer_step_speedup']:.2f}x")
+        return f"tree: {choice.get('mode')} ({choice.get('reason')})"
+    c = choice["chosen"]
+    shape = f"{c['nodes']} nodes" + (f", depth {c['depth']}" if c.get("depth", -1) >= 0 else " (budget)")
+    return (f"tree: {choice['mode']} -> {shape}; predicted tau {choice['predicted_tau']:.2f}, speedup "
+            f"{choice['predicted_speedup']:.2f}x (statistics: {choice['statistics']['source']}, "
+            f"{choice['statistics']['held_out_prompts']} held-out prompts)")

@@ -1,0 +1,174 @@
+"""Issue 14 end to end on the tiny model: eval.tree=auto|dynamic keeps parity for every tree head,
+calibrates on held-out prompts only, caches c(n) per hardware key, and refuses bad input early."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import heads
+from core.config import ConfigError, compose
+from decoding import cost_model
+from decoding.tree_search import AcceptanceStats
+from evaluation.__main__ import main, rewrite_argv
+from evaluation.runner import run_evaluation
+from evaluation.tree_auto import CalibrationError
+
+
+@pytest.fixture
+def sharegpt(tmp_path):
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Tell me about topic number {i}."},
+                                               {"from": "gpt", "value": "Sure."}]} for i in range(60)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    return path
+
+
+def _cfg(tiny_model_dir, tmp_path, sharegpt, head, *extra):
+    return compose(rewrite_argv([f"model.path={tiny_model_dir}", "model.attn_implementation=eager", f"heads={head}",
+                                 f"output_root={tmp_path / 'root'}", f"eval.output_dir={tmp_path / 'out'}",
+                                 f"data.path={sharegpt}", "data.heldout_fraction=0.3", "eval.num_prompts=2",
+                                 "eval.max_new_tokens=10", "eval.warmup=0", "eval.calibration_prompts=3",
+                                 "eval.tree_grid=[1,2,3,4,6,8]", "eval.cost_context_tokens=16",
+                                 f"checkpoint={tmp_path / 'ckpt'}", *extra]))
+
+
+def _save_head(cfg, tiny_base, tmp_path):
+    torch.manual_seed(0)
+    heads.save(heads.build(cfg.heads, tiny_base[0]), tmp_path / "ckpt", tiny_base[2].to_dict())
+
+
+@pytest.mark.parametrize("head", ["ctc", "falcon", "falcon_k1"])
+@pytest.mark.parametrize("mode", ["auto", "dynamic"])
+def test_auto_trees_keep_parity_for_every_tree_head(tiny_base, tiny_model_dir, tmp_path, sharegpt, head, mode,
+                                                    monkeypatch):
+    """Planted high acceptance makes the search pick real trees (an untrained head accepts ~nothing)."""
+    monkeypatch.setattr(AcceptanceStats, "rank_acceptance", lambda self: [[0.7, 0.2, 0.05]] * 8)
+    planted = {1: 1.0, 2: 1.6, 3: 1.9, 4: 2.3, 6: 2.6, 8: 2.8}
+    monkeypatch.setattr(AcceptanceStats, "budget_tau", lambda self: planted)
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, head, f"eval.tree={mode}")
+    _save_head(cfg, tiny_base, tmp_path)
+    rep = run_evaluation(cfg, base=tiny_base)
+    assert rep["parity"] == {"matched": 2, "total": 2, "mismatched_ids": [], "checked": True}
+    tree = rep["tree"]
+    assert tree["applied"] and tree["mode"] == mode and tree["statistics"]["source"] == "calibration"
+    # never calibrated on an evaluation prompt
+    cal = json.loads(open(tree["statistics"]["path"]).read())
+    assert not set(cal["key"]["prompts"]) & {p["id"] for p in rep["per_prompt"]} and cal["key"]["prompts"]
+    chosen = tree["chosen"]
+    assert chosen["nodes"] > 1 and chosen["tau"] == tree["predicted_tau"]
+    assert rep["tree"]["measured_tau"] == rep["tau"]
+    trees_seen = max(s["stats"]["tree_nodes"] / max(s["stats"]["steps"], 1) for s in rep["per_prompt"])
+    assert trees_seen <= chosen["nodes"] - 1  # every verified tree within the chosen size
+    best = max(c["tokens_per_s"] for c in chosen["candidates"])
+    assert chosen["tokens_per_s"] == best
+
+
+def test_auto_is_the_default_and_untrained_heads_choose_valid_trees(tiny_base, tiny_model_dir, tmp_path, sharegpt):
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon")
+    assert cfg.eval.tree == "auto"
+    _save_head(cfg, tiny_base, tmp_path)
+    rep = run_evaluation(cfg, base=tiny_base)
+    assert rep["parity"]["matched"] == 2 and rep["tree"]["applied"]
+    cost = rep["tree"]["cost_model"]
+    assert cost["sizes"] == [1, 2, 3, 4, 6, 8] and len(cost["verify_ms"]) == 6 and min(cost["verify_ms"]) > 0
+
+
+def test_calibration_without_usable_heldout_prompt_fails_before_decoding(tiny_base, tiny_model_dir, tmp_path, sharegpt):
+    # every held-out conversation is an evaluation prompt -> nothing left to calibrate on
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "ctc", "eval.num_prompts=null")
+    _save_head(cfg, tiny_base, tmp_path)
+    with pytest.raises(CalibrationError, match="no usable held-out ShareGPT prompt"):
+        run_evaluation(cfg, base=tiny_base)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_tree_config_is_a_clear_error(tiny_model_dir, tmp_path, sharegpt, capsys):
+    with pytest.raises(ConfigError, match="eval.tree_grid is empty"):
+        _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.tree_grid=[]")
+    with pytest.raises(ConfigError, match="eval.tree_nodes=5 must be one of"):
+        _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.tree_nodes=5")
+    with pytest.raises(ConfigError, match=r"eval.falcon_tree.paths: rank path \[0, 1\]: its parent \[0\] is missing"):
+        _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.tree=config", "eval.falcon_tree={paths: [[0, 1]]}")
+    with pytest.raises(ConfigError, match=r"heads.decoding.tree.paths: rank path \[1, 0\]: its parent \[1\] is missing"):
+        _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "heads.decoding.tree.node_children=null",
+             "heads.decoding.tree.paths=[[0], [1, 0]]")
+    with pytest.raises(SystemExit) as exc:
+        main([f"model.path={tiny_model_dir}", "eval.tree=sometimes", "checkpoint=oracle"])
+    assert exc.value.code == 2 and "eval.tree='sometimes' is not valid" in capsys.readouterr().err
+
+
+def test_cost_cache_is_reused_and_invalidated_by_device_dtype_threads(tiny_base, tmp_path, monkeypatch):
+    model, _, identity = tiny_base
+    calls = []
+    real = cost_model.measure_verify_ms
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(cost_model, "measure_verify_ms", counting)
+    grid = [1, 2, 4]
+    a = cost_model.load_or_measure(model, identity, tmp_path, grid, context_tokens=8, repeats=1)
+    b = cost_model.load_or_measure(model, identity, tmp_path, grid, context_tokens=8, repeats=1)
+    assert len(calls) == 1 and a.path == b.path and a.verify_ms == b.verify_ms
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        c = cost_model.load_or_measure(model, identity, tmp_path, grid, context_tokens=8, repeats=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 2 and c.path != a.path and c.key["threads"] == threads + 1
+    model64 = type(model)(model.config).to(torch.float64).eval()
+    model64.load_state_dict(model.state_dict())
+    d = cost_model.load_or_measure(model64, identity, tmp_path, grid, context_tokens=8, repeats=1)
+    assert len(calls) == 3 and d.path not in (a.path, c.path) and d.key["dtype"] == "float64"
+    monkeypatch.setattr(cost_model, "model_device", lambda m: torch.device("mps"))
+    e = cost_model.cost_key(identity, model, grid, 8, 1)
+    assert e["device"] == "mps" and e != a.key  # another device -> another cache file
+    assert {cost_model.sha256_json(e), cost_model.sha256_json(a.key)}.__len__() == 2
+
+
+def test_cost_model_interpolates_measured_grid():
+    cm = cost_model.CostModel(sizes=[1, 4, 8], verify_ms=[10.0, 16.0, 24.0], key={}, context_tokens=1, repeats=1)
+    assert cm.verify_seconds(1) == pytest.approx(0.010)
+    assert cm.verify_seconds(2) == pytest.approx(0.012)
+    assert cm.verify_seconds(6) == pytest.approx(0.020)
+    assert cm.verify_seconds(12) == pytest.approx(0.032)  # extrapolated from the last segment
+    with pytest.raises(ValueError, match="eval.tree_grid is empty"):
+        cost_model.check_grid([])
+
+
+def test_adadecode_reports_expected_layer_steps_per_gamma_beside_measured(tiny_base, tiny_model_dir, tmp_path,
+                                                                          sharegpt):
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "adadecode", "heads.layers=[1,2]", "eval.gamma=0.0")
+    _save_head(cfg, tiny_base, tmp_path)
+    rep = run_evaluation(cfg, base=tiny_base)
+    assert rep["parity"]["matched"] == 2
+    model = rep["tree"]["adadecode_model"]
+    assert model["source"] == "calibration" and model["held_out_prompts"] == 3 and model["tokens"] > 0
+    assert set(model["per_gamma"]) == {str(g) for g in cfg.heads.val_gammas}
+    # gamma 0: every token exits at layer 1 -> E[c] = 1 (right) or 1 + L (wrong) per token, L = 4
+    conf = model["configured"]
+    assert conf["exit_rate"] == 1.0
+    assert conf["expected_layer_steps_per_token"] == pytest.approx(1 + 4 * conf["reject_rate"])
+    assert rep["tree"]["measured_layer_steps_per_token"] == rep["method"]["decoder_summary"]["layer_steps_per_token"]
+
+
+def test_cost_measurement_clocks(tiny_base):
+    model = tiny_base[0]
+    wall = cost_model.measure_verify_ms(model, [1, 4], context_tokens=8, repeats=1)
+    cpu = cost_model.measure_verify_ms(model, [1, 4], context_tokens=8, repeats=1, clock="cpu")
+    assert len(wall) == len(cpu) == 2 and min(wall) > 0 and min(cpu) >= 0
+    with pytest.raises(ValueError, match="clock='gpu'"):
+        cost_model.measure_verify_ms(model, [1], clock="gpu")
+
+
+def test_explicit_tree_keys_win_over_auto(tiny_base, tiny_model_dir, tmp_path, sharegpt):
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "ctc", "eval.max_nodes=5")
+    _save_head(cfg, tiny_base, tmp_path)
+    rep = run_evaluation(cfg, base=tiny_base)
+    assert rep["tree"]["applied"] is False and "eval.max_nodes given explicitly" in rep["tree"]["reason"]
+    assert rep["parity"]["matched"] == 2
+    assert all(p["stats"]["tree_nodes"] <= 4 * p["stats"]["steps"] for p in rep["per_prompt"])
