@@ -95,7 +95,7 @@ def _row_past(cache, row: int, cols: torch.Tensor) -> RowPast:
 @torch.inference_mode()
 def greedy_generate(model, prompts: Sequence[Sequence[int]], pad_id: int, eos_ids: set[int],
                     max_new_tokens: int | Sequence[int], past: Sequence[RowPast | None] | None = None,
-                    keep_past: bool = False):
+                    keep_past: bool = False, on_tokens=None):
     """Batched greedy decoding with a KV cache, optionally continuing from per-row caches.
 
     Row r's context is ``past[r]`` (the KV of tokens fed earlier, e.g. the previous turns of a
@@ -116,6 +116,7 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], pad_id: int, eos_id
         past: optional per-row :data:`RowPast` (``None`` entries = no past).
         keep_past: also return each row's KV after generation: past + prompt + generated
             tokens except the last one (which was emitted, not fed).
+        on_tokens: optional callback ``f(n)`` after every decoding step (n = tokens emitted).
 
     Returns:
         per prompt the generated ids (up to and including the first eos, at most its budget);
@@ -151,6 +152,8 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], pad_id: int, eos_id
             result[r].append(tok)
             if len(result[r]) >= budgets[r]:
                 fin[j] = True
+        if on_tokens is not None:
+            on_tokens(len(rows))
         if bool(fin.any()):
             if keep_past:
                 for j in fin.nonzero().squeeze(1).tolist():
@@ -207,7 +210,7 @@ def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids
         max_new_tokens: generation budget per assistant turn, or ``None`` (full length).
         max_length: token budget per conversation.
         batch_size: conversations per :func:`greedy_generate` call.
-        on_generated: optional callback ``f(n_tokens)`` after each generation batch (progress).
+        on_generated: optional callback ``f(n_tokens)`` after every decoding step (progress in tokens).
         stats: optional counter; ``truncated_turns`` and ``generated_tokens`` are added.
 
     Returns:
@@ -238,11 +241,9 @@ def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids
             budgets = [max_length - len(c) if max_new_tokens is None else min(max_new_tokens, max_length - len(c))
                        for c in contexts]
             gen, pasts = greedy_generate(model, [c[states[k].fed:] for k, c in zip(group, contexts)], pad_id, eos_ids,
-                                         budgets, past=[states[k].past for k in group], keep_past=True)
-            n_gen = sum(len(g) for g in gen)
-            stats["generated_tokens"] += n_gen
-            if on_generated is not None:
-                on_generated(n_gen)
+                                         budgets, past=[states[k].past for k in group], keep_past=True,
+                                         on_tokens=on_generated)
+            stats["generated_tokens"] += sum(len(g) for g in gen)
             for k, c, g, past in zip(group, contexts, gen, pasts):
                 st = states[k]
                 seg = st.segments[st.next_seg]

@@ -100,3 +100,17 @@ def test_heldout_split_keeps_the_parts_of_one_conversation_together():
     assert {s.pop() for s in by_root.values()} == {"train", "val"}
     # keyed by the full id (the old behaviour), parts of one conversation land on both sides
     assert any(len({split_of(f"{r}_{k}", cfg_id) for k in range(4)}) == 2 for r in roots)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow_dir"])
+def test_python_m_data_prep_runs_on_a_parquet_file_or_a_saved_dataset(written, kind, tiny_model_dir, tmp_path):
+    from data_prep.__main__ import main
+    from data_prep.cache import CacheReader
+
+    summary = main([f"model.path={tiny_model_dir}", "model.dtype=float32", f"data.path={written[kind]}",
+                    "data.heldout_fraction=0.3", "labels=teacher_forced", "prep.progress=false",
+                    f"output_root={tmp_path / 'out'}"])
+    assert summary["complete"] and summary["conversations"] == 5 and summary["dropped"] == {"no_assistant_turn": 1}
+    readers = [CacheReader(Path(summary["cache_dir"]) / split) for split in ("train", "val")]
+    assert sorted(r[i]["id"] for r in readers for i in range(len(r))) == [f"m{i}" for i in range(5)]
+    assert readers[0].manifest["data_sources"][0]["path"] == str(written[kind])
