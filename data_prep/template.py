@@ -10,8 +10,8 @@ time), and split by the template's structure, never by searching token ids:
   (Qwen3-style templates put an empty ``<think>\n\n</think>\n\n`` block there; it belongs to the
   prompt and is never in the loss);
 * *body*: from the first token holding a character of the reply (found in the rendered text,
-  token positions from the fast tokenizer's offsets) up to and including the first end-of-turn
-  token (an eos id) after the reply;
+  token positions from the fast tokenizer's offsets; a slow tokenizer needs the reply on token
+  boundaries) up to and including the first end-of-turn token (an eos id) after the reply;
 * *footer*: what follows (e.g. ``\n``).
 
 Turns are then packed into as few sequences ("records") as the template allows: turn i extends the
@@ -112,15 +112,26 @@ def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str
     pos = full_text.find(reply, len(gen_text))
     if pos < 0:
         raise TemplateError(f"{where}: the reply text is not in the template's rendering (the template rewrites it)")
-    enc = _encode(tokenizer, full_text, offsets=True)
+    try:
+        enc = _encode(tokenizer, full_text, offsets=True)
+        offs = enc["offset_mapping"]
+    except NotImplementedError:  # a slow (Python) tokenizer has no offsets: token counts of text prefixes
+        enc, offs = _encode(tokenizer, full_text), None
     ids = list(enc["input_ids"])
     gen_ids = list(_encode(tokenizer, gen_text)["input_ids"])
     if ids[: len(gen_ids)] != gen_ids:
         raise TemplateError(f"{where}: the generation prompt's tokens are not a prefix of the rendered turn's tokens")
-    offs = enc["offset_mapping"]
-    start = next((t for t in range(len(gen_ids), len(ids)) if offs[t][1] > pos), len(ids))
     reply_end = pos + len(reply)
-    end = next((t + 1 for t in range(start, len(ids)) if ids[t] in eos_ids and offs[t][0] >= reply_end), None)
+    if offs is None:
+        head = list(_encode(tokenizer, full_text[:pos])["input_ids"])
+        upto = list(_encode(tokenizer, full_text[:reply_end])["input_ids"])
+        if ids[: len(head)] != head or ids[: len(upto)] != upto:
+            raise TemplateError(f"{where}: the reply does not start or end on a token boundary")
+        start = len(head)
+        end = next((t + 1 for t in range(len(upto), len(ids)) if ids[t] in eos_ids), None)
+    else:
+        start = next((t for t in range(len(gen_ids), len(ids)) if offs[t][1] > pos), len(ids))
+        end = next((t + 1 for t in range(start, len(ids)) if ids[t] in eos_ids and offs[t][0] >= reply_end), None)
     if end is None or start >= end - 1:
         raise TemplateError(f"{where}: no end-of-turn token (eos ids {sorted(eos_ids)}) after the reply")
     return ids, len(gen_ids), start, end

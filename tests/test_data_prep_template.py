@@ -160,3 +160,19 @@ def test_a_template_exception_drops_one_record_with_its_message_and_never_the_ru
     assert "Conversation roles must alternate" in stats.examples["template_error"]["message"]
     ids, mask = out[0].encode()
     assert [t.strip() for t in _masked_texts(tok, ids, mask)] == ["Hello.<|im_end|>", "It is 6.<|im_end|>"]
+
+
+def test_tokenizer_without_offsets_gives_the_same_masks(monkeypatch):
+    import data_prep.template as template
+
+    tok = tiny_tokenizer()
+    want = encode_conversation(tok, MESSAGES, "c")
+    real = template._encode
+
+    def no_offsets(tokenizer, text, offsets=False):
+        if offsets:
+            raise NotImplementedError("return_offset_mapping is not available when using Python tokenizers")
+        return real(tokenizer, text)
+
+    monkeypatch.setattr(template, "_encode", no_offsets)
+    assert encode_conversation(tok, MESSAGES, "c") == want
