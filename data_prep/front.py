@@ -14,7 +14,7 @@ the data before it loads the model or creates a directory, and online training c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
 from core.config import UserInputError
 from data_prep.sharegpt import Conversation, ReadStats

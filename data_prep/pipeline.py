@@ -16,9 +16,8 @@ import math
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -47,7 +46,7 @@ def _eos_ids_before_model(model_cfg, tokenizer) -> set[int]:
 
 
 class _Progress:
-    """tqdm bar over the shards' tokens (templated length, known before any forward or generation),
+    """tqdm bar over the shards' tokens (total: templated lengths, an estimate under regeneration),
     with conversations and regenerated tokens in the postfix (disabled when ``enabled`` is False).
 
     Regenerated tokens advance the bar as they are produced, so it moves during a long
