@@ -4,7 +4,7 @@ Both timings run in one process on the same conversations and the same length-so
 (``data_prep.pipeline.length_batches``):
 
 * **bare forward**: ``model(input_ids, attention_mask)`` per batch (logits, no hidden states kept);
-* **data prep**: ``build_records`` (templating, forward with hidden states, chunked argmax labels)
+* **data prep**: ``template_split`` (per-turn templating) + ``build_records`` (forward with hidden states, chunked argmax labels)
   + ``build_shard_tensors`` + ``write_shard`` (safetensors + sha256 + sidecar) into a temp dir.
 
 Each is repeated ``--repeats`` times alternately; the best time of each is reported.  Labels are
@@ -134,7 +134,8 @@ def main() -> None:
             model(input_ids=ids, attention_mask=attn)
 
     def prep(k):
-        records, _ = build_records(model, tok, convs, labels_mode="teacher_forced", max_length=args.max_length,
+        t = template_split(tok, data, eos, args.max_length)  # templating is timed too (as before issue 15)
+        records, _ = build_records(model, tok, t["train"] + t["val"], labels_mode="teacher_forced", max_length=args.max_length,
                                    max_new_tokens=1, layers=layers, final_layer=L, batch_tokens=args.batch_tokens,
                                    gen_batch_size=1)
         tensors = cache_mod.build_shard_tensors(records, layers, L, dtype)
