@@ -45,10 +45,13 @@ def written(tmp_path_factory):
     datasets.DatasetDict({"train": ds, "test": ds.select(range(2))}).save_to_disk(str(out["dict_dir"]))
     out["jsonl"].write_text("\n".join(json.dumps(r) for r in rows))
     out["arrow"] = next(Path(out["arrow_dir"]).glob("*.arrow"))
+    out["data_dir"] = root / "data_dir"  # a plain data directory: load_dataset(path), the hub-id code path
+    out["data_dir"].mkdir()
+    ds.to_parquet(str(out["data_dir"] / "train-00000.parquet"))
     return out
 
 
-@pytest.mark.parametrize("kind,extra", [("parquet", []), ("arrow_dir", []), ("arrow", []), ("jsonl", []),
+@pytest.mark.parametrize("kind,extra", [("parquet", []), ("arrow_dir", []), ("arrow", []), ("jsonl", []), ("data_dir", []),
                                         ("jsonl", ["data.reader=datasets"]), ("parquet", ["data.streaming=true"]),
                                         ("dict_dir", ["data.split=test"])])
 def test_every_format_reads_the_same_conversations_with_the_same_counts(written, kind, extra):
