@@ -203,7 +203,8 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     max_length = int(cfg.data.max_length)
     max_new = cfg.prep.get("max_new_tokens")
     max_new = None if max_new is None else int(max_new)
-    # front half first: read, validate and template the data before the model loads or a directory exists
+    # front half first: read, validate and template the data before the model loads or a directory exists;
+    # a missing, unreadable or empty input leaves no cache directory behind (read_split / template_split raise)
     data = read_split(cfg.data)
     if tokenizer is None:
         from core.base_model import load_tokenizer
@@ -221,12 +222,6 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         raise UserInputError(f"prep.layers={layers}: intermediate layer ids must lie in [1, L={L}) "
                              f"(hs[{L}], the final post-norm state, is always cached)")
     refuse_different_cache(root, cfg)  # before anything is written there
-    data = read_split(cfg.data)  # a missing, unreadable or empty input leaves no cache directory behind
-    if not data.train and not data.val:
-        raise UserInputError(
-            f"no usable conversation in {cfg.data.path or 'the packaged ShareGPT file'} "
-            f"(records read {data.stats.records}, dropped {dict(sorted(Counter(data.stats.dropped).items()))}); "
-            "check data.path, data.max_length and data.max_conversations")
     root.mkdir(parents=True, exist_ok=True)
     save_config(cfg, root)
     dtype = cache_mod._TORCH_DTYPES[cfg.prep.dtype]

@@ -134,6 +134,10 @@ def _datasets_rows(spec: SourceSpec) -> Iterator[dict]:
     except UserInputError:
         raise
     except Exception as exc:  # datasets raises many types (DatasetNotFoundError, ValueError, OSError, ...)
+        if p.is_dir():
+            raise UserInputError(f"data.path={spec.path!r}: data files not found in this directory (neither a saved "
+                                 f"dataset nor files datasets can load: {str(exc).splitlines()[0] if str(exc) else ''})"
+                                 ) from exc
         raise UserInputError(f"data.path={spec.path!r}: datasets could not load it "
                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
     for row in ds:
