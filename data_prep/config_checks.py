@@ -13,6 +13,10 @@ def _data_prep_checks(cfg: DictConfig) -> None:
         check_range(cfg, "data.max_length", 2)
         if cfg.data.get("max_conversations") is not None:
             check_range(cfg, "data.max_conversations", 1)
+        for key, choices in (("format", ("auto", "sharegpt", "messages")), ("reader", ("auto", "tolerant", "datasets")),
+                             ("split_key", ("root", "id"))):
+            if cfg.data.get(key) is not None:
+                check_choice(cfg, f"data.{key}", choices)
         if not str(cfg.data.get("split_salt", "")):
             raise ConfigError("data.split_salt must be a non-empty string")
     if "prep" in cfg:
@@ -20,7 +24,8 @@ def _data_prep_checks(cfg: DictConfig) -> None:
         check_range(cfg, "prep.shard_size", 1)
         check_range(cfg, "prep.batch_tokens", 1)
         check_range(cfg, "prep.gen_batch_size", 1)
-        check_range(cfg, "prep.max_new_tokens", 1)
+        if cfg.prep.get("max_new_tokens") is not None:
+            check_range(cfg, "prep.max_new_tokens", 1)
         layers = OmegaConf.select(cfg, "prep.layers")
         if layers is None or not OmegaConf.is_list(layers) or not all(
                 isinstance(l, int) and not isinstance(l, bool) and l >= 0 for l in layers):

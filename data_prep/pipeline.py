@@ -1,4 +1,7 @@
-"""Data prep end to end: ShareGPT → split → template → labels → sharded cache (issue 2).
+"""Data prep end to end: sources → split → template → labels → sharded cache (issues 2, 15).
+
+The front half (reading, normalising, splitting, templating: :mod:`data_prep.front`) runs on the
+tokenizer alone, before the base model is loaded and before any directory is created.
 
 :func:`prepare` is what ``python -m data_prep`` runs.  Work is split into shards of
 ``prep.shard_size`` conversations per sub-cache (``train/``, ``val/``); rank r of N (torchrun or
@@ -13,9 +16,8 @@ import math
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -24,82 +26,65 @@ from core.io import atomic_write_json
 from data_prep import cache as cache_mod
 from data_prep import label_counts
 from data_prep.labels import forward_features, regenerate
-from data_prep.sharegpt import Conversation, ReadStats, iter_conversations
-from data_prep.split import is_heldout
-from data_prep.template import TemplateError, end_of_turn_ids, flatten, segment_conversation
+from data_prep.front import (SPLITS, SplitConversations, TemplatedConversation, heldout_prompts,  # noqa: F401
+                              read_split, template_split)
+from data_prep.template import end_of_turn_ids
 
-SPLITS = ("train", "val")
+def _eos_ids_before_model(model_cfg, tokenizer) -> set[int]:
+    """End-of-turn ids from the tokenizer and the model folder's ``generation_config.json`` (no weights loaded)."""
+    from types import SimpleNamespace
 
+    gen = None
+    try:
+        from transformers import GenerationConfig
 
-@dataclass
-class SplitConversations:
-    """Conversations read for one data config, divided by the held-out split."""
+        from core.base_model import resolve_model_dir
 
-    train: list[Conversation] = field(default_factory=list)
-    val: list[Conversation] = field(default_factory=list)
-    stats: ReadStats = field(default_factory=ReadStats)
-
-
-def read_split(data_cfg) -> SplitConversations:
-    """Read the first ``data.max_conversations`` valid conversations and split them by id hash."""
-    out = SplitConversations()
-    limit = data_cfg.get("max_conversations")
-    for conv in iter_conversations(data_cfg.get("path"), out.stats):
-        target = out.val if is_heldout(conv.id, float(data_cfg.heldout_fraction), str(data_cfg.split_salt)) else out.train
-        target.append(conv)
-        if limit is not None and len(out.train) + len(out.val) >= int(limit):
-            break
-    return out
-
-
-def heldout_prompts(data_cfg, limit: int | None = None) -> Iterator[tuple[str, list[dict[str, str]]]]:
-    """Yield ``(id, messages)`` for held-out conversations: the messages up to and including the
-    first user turn (after an optional system turn), ready for ``apply_chat_template(...,
-    add_generation_prompt=True)``.  Scans the whole file (not capped by ``max_conversations``);
-    the split is by id, so these are never in any training cache.
-
-    Args:
-        data_cfg: the ``data`` config section (``path``, ``heldout_fraction``, ``split_salt``).
-        limit: stop after this many prompts (``None`` = all).
-    """
-    n = 0
-    for conv in iter_conversations(data_cfg.get("path")):
-        if not is_heldout(conv.id, float(data_cfg.heldout_fraction), str(data_cfg.split_salt)):
-            continue
-        first_user = next(i for i, m in enumerate(conv.messages) if m["role"] == "user")
-        yield conv.id, conv.messages[: first_user + 1]
-        n += 1
-        if limit is not None and n >= limit:
-            return
+        gen = GenerationConfig.from_pretrained(resolve_model_dir(model_cfg)[0])
+    except Exception:  # no generation_config.json: the tokenizer's eos alone
+        gen = None
+    return end_of_turn_ids(tokenizer, SimpleNamespace(generation_config=gen))
 
 
 class _Progress:
-    """tqdm bar over conversations with a tokens/s postfix (disabled when ``enabled`` is False)."""
+    """tqdm bar over the shards' tokens (total: templated lengths, an estimate under regeneration),
+    with conversations and regenerated tokens in the postfix (disabled when ``enabled`` is False).
+
+    Regenerated tokens advance the bar as they are produced, so it moves during a long
+    regeneration; the teacher-forced forward then advances it by the tokens not yet counted."""
 
     def __init__(self, total: int, enabled: bool, rank: int):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, unit="conv", desc=f"data prep [rank {rank}]", disable=not enabled,
+        self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"data prep [rank {rank}]", disable=not enabled,
                         file=sys.stderr, dynamic_ncols=True)
+        self.conversations = 0
+        self.pending_gen = 0
         self.tokens = 0
         self.gen_tokens = 0
         self.t0 = time.perf_counter()
 
     def _postfix(self) -> None:
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        text = f"{self.tokens / dt:,.0f} tok/s"
+        text = f"{self.conversations:,} conv"
         if self.gen_tokens:
             text += f", regenerated {self.gen_tokens:,} tok ({self.gen_tokens / dt:,.1f} tok/s)"
         self.bar.set_postfix_str(text)
 
     def generated(self, tokens: int) -> None:
         self.gen_tokens += tokens
+        self.pending_gen += tokens
         self._postfix()
+        self.bar.update(tokens)
 
     def update(self, conversations: int, tokens: int) -> None:
+        """``conversations`` finished holding ``tokens`` templated tokens (part may have been shown as generated)."""
+        self.conversations += conversations
+        step = max(tokens - self.pending_gen, 0)
+        self.pending_gen = max(self.pending_gen - tokens, 0)
         self.tokens += tokens
         self._postfix()
-        self.bar.update(conversations)
+        self.bar.update(step)
 
     def close(self) -> None:
         self.bar.close()
@@ -117,39 +102,41 @@ def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]
     return batches
 
 
-def build_records(model, tokenizer, convs: Sequence[Conversation], *, labels_mode: str, max_length: int,
-                  max_new_tokens: int, layers: Sequence[int], final_layer: int, batch_tokens: int,
+def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, labels_mode: str, max_length: int,
+                  max_new_tokens: int | None, layers: Sequence[int], final_layer: int, batch_tokens: int,
                   gen_batch_size: int, progress: _Progress | None = None) -> tuple[list[dict], Counter]:
-    """Tokenise, label and featurise conversations (one shard's worth), in input order.
+    """Label and featurise templated conversations (one shard's worth), in input order.
+
+    Args:
+        convs: :func:`data_prep.front.template_split` output for the shard.
+        labels_mode: ``teacher_forced`` or ``regenerate``.
+        max_new_tokens: regeneration budget per turn (``None`` = up to ``max_length``).
 
     Returns:
-        ``(records, dropped)``: records with ``id``, ``input_ids``, ``loss_mask``, ``labels``
-        and ``hidden`` {l: [T, H]} for ``final_layer`` and ``layers``; ``dropped`` counts
-        ``template_error`` and ``no_assistant_tokens`` (every assistant token fell beyond
-        ``max_length``).
+        ``(records, counts)``: records with ``id``, ``input_ids``, ``loss_mask``, ``labels``
+        and ``hidden`` {l: [T, H]} for ``final_layer`` and ``layers``; ``counts`` holds
+        ``no_assistant_tokens`` (every assistant token fell beyond ``max_length``) and, for
+        ``regenerate``, ``regen_truncated_turns`` (turns cut by the budget, left without an
+        end-of-turn).
     """
     eos = end_of_turn_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    dropped: Counter = Counter()
-    kept: list[Conversation] = []
-    segs = []
-    for conv in convs:
-        try:
-            segs.append(segment_conversation(tokenizer, conv.messages, conv.id, eos, max_length))
-            kept.append(conv)
-        except TemplateError:
-            dropped["template_error"] += 1
+    counts: Counter = Counter()
     if labels_mode == "regenerate":
-        seqs = regenerate(model, tokenizer, segs, eos, max_new_tokens, max_length, gen_batch_size,
-                          on_generated=progress.generated if progress is not None else None)
+        stats: Counter = Counter()
+        seqs = regenerate(model, tokenizer, [c.segments for c in convs], eos, max_new_tokens, max_length,
+                          gen_batch_size, on_generated=progress.generated if progress is not None else None,
+                          stats=stats)
+        if stats["truncated_turns"]:
+            counts["regen_truncated_turns"] += stats["truncated_turns"]
     elif labels_mode == "teacher_forced":
-        seqs = [flatten(s, max_length) for s in segs]
+        seqs = [c.encode(max_length) for c in convs]
     else:
         raise ValueError(f"labels={labels_mode!r} is not valid; choices: teacher_forced, regenerate")
     items = []
-    for conv, (ids, mask) in zip(kept, seqs):
+    for conv, (ids, mask) in zip(convs, seqs):
         if not any(mask):
-            dropped["no_assistant_tokens"] += 1
+            counts["no_assistant_tokens"] += 1
             continue
         items.append({"id": conv.id, "input_ids": ids, "loss_mask": mask})
     want = sorted(set(layers) | {final_layer})
@@ -162,7 +149,7 @@ def build_records(model, tokenizer, convs: Sequence[Conversation], *, labels_mod
             progress.update(len(group), sum(len(items[i]["input_ids"]) for i in group))
     if progress is not None and len(convs) > len(items):
         progress.update(len(convs) - len(items), 0)
-    return items, dropped
+    return items, counts
 
 
 def refuse_different_cache(root: Path, cfg) -> None:
@@ -210,14 +197,26 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         UserInputError: bad ``prep.layers``, a cache directory prepared under other settings, or no
             usable conversation.
     """
-    if model is None:
-        from core.base_model import load_base_model
-
-        model, tokenizer, identity = load_base_model(cfg.model)
     if rank is None or world is None:
         rank, world = cache_mod.rank_world()
     root = cache_mod.default_cache_dir(cfg)
     chash = cache_mod.cache_hash(cfg)
+    max_length = int(cfg.data.max_length)
+    max_new = cfg.prep.get("max_new_tokens")
+    max_new = None if max_new is None else int(max_new)
+    # front half first: read, validate and template the data before the model loads or a directory exists;
+    # a missing, unreadable or empty input leaves no cache directory behind (read_split / template_split raise)
+    data = read_split(cfg.data)
+    if tokenizer is None:
+        from core.base_model import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model)
+    eos_front = end_of_turn_ids(tokenizer, model) if model is not None else _eos_ids_before_model(cfg.model, tokenizer)
+    templated = template_split(tokenizer, data, eos_front, max_length)
+    if model is None:
+        from core.base_model import load_base_model
+
+        model, tokenizer, identity = load_base_model(cfg.model)
     L = int(model.config.num_hidden_layers)
     layers = sorted({int(l) for l in cfg.prep.layers})
     if any(l >= L or l < 1 for l in layers):
@@ -227,12 +226,6 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
 
     dtype = storage_dtype(str(cfg.prep.dtype))  # fp8 on a torch without it: one line, nothing written
     refuse_different_cache(root, cfg)  # before anything is written there
-    data = read_split(cfg.data)  # a missing, unreadable or empty input leaves no cache directory behind
-    if not data.train and not data.val:
-        raise UserInputError(
-            f"no usable conversation in {cfg.data.path or 'the packaged ShareGPT file'} "
-            f"(records read {data.stats.records}, dropped {dict(sorted(Counter(data.stats.dropped).items()))}); "
-            "check data.path, data.max_length and data.max_conversations")
     root.mkdir(parents=True, exist_ok=True)
     save_config(cfg, root)
     S = int(cfg.prep.shard_size)
@@ -248,29 +241,32 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
                    **({"hidden_scale": "float32"} if is_fp8(dtype) else {})},
         "pad_id": int(pad_id),
         "labels": str(cfg.labels),
-        "max_length": int(cfg.data.max_length),
-        "max_new_tokens": int(cfg.prep.max_new_tokens) if cfg.labels == "regenerate" else None,
+        "max_length": max_length,
+        "max_new_tokens": (max_new if max_new is not None else max_length) if cfg.labels == "regenerate" else None,
+        "data_sources": [s.describe() for s in data.sources],
+        "data_read": {k: v for k, v in data.stats.to_dict().items() if k != "finished"},
     }
     # every (split, shard) pair gets a global index; rank r takes the indices ≡ r (mod world)
     todo = []
     index = 0
     for split in SPLITS:
-        convs = getattr(data, split)
+        convs = templated[split]
         for k in range(math.ceil(len(convs) / S)):
             if index % world == rank:
                 todo.append((split, k, convs[k * S:(k + 1) * S]))
             index += 1
-    progress = _Progress(sum(len(c) for _, _, c in todo), bool(cfg.prep.progress), rank)
+    progress = _Progress(sum(sum(len(s.ids) for s in c.segments) for _, _, cs in todo for c in cs),
+                         bool(cfg.prep.progress), rank)
     try:
         for split, k, convs in todo:
             directory = root / split
             directory.mkdir(parents=True, exist_ok=True)
             if cache_mod.finished_entry(directory, k, chash) is not None:
-                progress.update(len(convs), 0)
+                progress.update(len(convs), sum(sum(len(s.ids) for s in c.segments) for c in convs))
                 continue
             records, dropped = build_records(
-                model, tokenizer, convs, labels_mode=str(cfg.labels), max_length=int(cfg.data.max_length),
-                max_new_tokens=int(cfg.prep.max_new_tokens), layers=layers, final_layer=L,
+                model, tokenizer, convs, labels_mode=str(cfg.labels), max_length=max_length,
+                max_new_tokens=max_new, layers=layers, final_layer=L,
                 batch_tokens=int(cfg.prep.batch_tokens), gen_batch_size=int(cfg.prep.gen_batch_size),
                 progress=progress)
             if records:
@@ -290,7 +286,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         progress.close()
     manifests = {}
     for split in SPLITS:
-        n = math.ceil(len(getattr(data, split)) / S)
+        n = math.ceil(len(templated[split]) / S)
         (root / split).mkdir(parents=True, exist_ok=True)
         manifests[split] = cache_mod.write_manifest(root / split, n, {**header, "split": split})
         if manifests[split] is not None:  # Σ over the shards' labels: the same bytes from any rank
@@ -320,12 +316,14 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
 def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str, Any]:
     complete = all(m is not None for m in manifests.values())
     dropped = Counter(data.stats.dropped)
+    truncated = 0
     totals = {"conversations": 0, "tokens": 0, "assistant_tokens": 0, "bytes": 0}
     per_split = {}
     for split, m in manifests.items():
         if m is None:
             continue
         dropped.update(m["dropped"])
+        truncated += dropped.pop("regen_truncated_turns", 0)
         per_split[split] = {"conversations": m["num_records"], "tokens": m["num_tokens"],
                             "assistant_tokens": m["num_assistant_tokens"], "bytes": m["bytes"]}
         totals["conversations"] += m["num_records"]
@@ -340,6 +338,11 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         "splits": per_split,
         "records_read": data.stats.records,
         "dropped": dict(sorted(dropped.items())),
+        "drop_examples": dict(sorted(data.stats.examples.items())),
+        "fixed": dict(sorted(data.stats.fixed.items())),
+        "regen_truncated_turns": truncated,
+        "replaced_bytes": data.stats.replaced_bytes,
+        "replaced_records": data.stats.replaced_records,
         "unparsed_bytes": data.stats.unparsed_bytes if data.stats.finished else None,
     }
 
@@ -356,9 +359,17 @@ def format_summary(s: dict[str, Any]) -> str:
         f"tokens: {s['tokens']:,}   assistant tokens: {s['assistant_tokens']:,}",
         f"records read: {s['records_read']:,}   dropped: " + (", ".join(
             f"{k} {v:,}" for k, v in s["dropped"].items()) or "none"),
+        *[f"  {k}: first {ex['id']!r}: {ex['message']}" for k, ex in s.get("drop_examples", {}).items()],
+        "kept after normalisation: " + (", ".join(f"{k} {v:,}" for k, v in s.get("fixed", {}).items()) or "none"),
         f"bytes on disk: {s['bytes']:,}   bytes per token: {s['bytes_per_token']:.1f}"
         if s["bytes_per_token"] else f"bytes on disk: {s['bytes']:,}",
     ]
+    if s.get("regen_truncated_turns"):
+        lines.append(f"regenerated turns cut by prep.max_new_tokens / data.max_length (no end-of-turn): "
+                     f"{s['regen_truncated_turns']:,}")
+    if s.get("replaced_bytes"):
+        lines.append(f"bytes not valid in data.encoding (decoded as U+FFFD): {s['replaced_bytes']:,} "
+                     f"in {s['replaced_records']:,} records")
     if s["unparsed_bytes"] is not None:
         lines.append(f"unparsed bytes in the input file: {s['unparsed_bytes']:,}")
     return "\n".join(lines)

@@ -10,6 +10,18 @@ it could not parse (:class:`ReadStats`).
 
 :func:`normalize` maps roles (human/user → user; gpt/chatgpt/bard/bing/assistant → assistant;
 system → system) and rejects bad records with one of :data:`BAD_REASONS` (issue 2, "Data").
+It also reads the OpenAI/UltraChat ``messages`` form (``{"messages": [{"role", "content"}]}``),
+so every source (this reader or ``datasets``, :mod:`data_prep.sources`) shares one normalisation.
+
+Normalisation rules (issue 15, all counted in :attr:`ReadStats.fixed`):
+
+* leading assistant turns (after an optional system turn) are dropped and the rest kept
+  (``leading_assistant_dropped``; ShareGPT splits long conversations into parts, and a part
+  often starts with the assistant — FastChat and SpecForge do the same);
+* consecutive turns of one role are merged into one turn, joined by a blank line
+  (``merged_consecutive_roles``), so templates that enforce user/assistant alternation
+  (Llama-2, Mistral) accept the record;
+* turns after the last assistant turn are dropped (they carry no loss).
 """
 from __future__ import annotations
 
@@ -35,12 +47,17 @@ BAD_REASONS = (
     "non_string_value",       # a turn whose ``value`` is missing or not a string (or a turn that is not an object)
     "empty_turn",             # a turn whose ``value`` is empty or whitespace only
     "unknown_role",           # a ``from`` outside ROLE_MAP
-    "no_assistant_turn",      # no assistant turn at all
-    "bad_first_turn",         # the first turn after an optional system turn is not a user turn
+    "no_assistant_turn",      # no user turn followed by an assistant turn (after dropping leading assistant turns)
+    "misplaced_system",       # a system turn that is not the first turn
 )
 
 _CHUNK_CHARS = 1 << 22          # 4 Mi characters per read
 _MAX_RECORD_CHARS = 1 << 26     # a record larger than 64 Mi characters counts as corrupt
+
+
+#: record formats: ``sharegpt`` = ``{"conversations": [{"from", "value"}]}``, ``messages`` =
+#: ``{"messages": [{"role", "content"}]}`` (OpenAI / UltraChat), ``auto`` = whichever key the record has.
+FORMATS = ("auto", "sharegpt", "messages")
 
 
 @dataclass
@@ -51,28 +68,67 @@ class Conversation:
     messages: list[dict[str, str]]
 
 
+class Drop(str):
+    """A drop reason (one of :data:`BAD_REASONS`, compares equal to it) carrying a one-line ``message``."""
+
+    message: str
+
+    def __new__(cls, reason: str, message: str = ""):
+        obj = super().__new__(cls, reason)
+        obj.message = message
+        return obj
+
+
 @dataclass
 class ReadStats:
     """What the reader saw.
 
     Attributes:
-        records: top-level JSON values decoded.
+        records: top-level JSON values decoded (rows, for ``datasets`` sources).
         kept: records that passed :func:`normalize`.
-        dropped: ``reason -> count`` for skipped records (reasons from :data:`BAD_REASONS`).
+        dropped: ``reason -> count`` for skipped records (reasons from :data:`BAD_REASONS` and
+            the templating reasons of :mod:`data_prep.template`).
+        examples: ``reason -> {"id", "message"}`` of the first record dropped for that reason.
+        fixed: ``rule -> count`` of kept records changed by a normalisation rule (module doc).
         unparsed_bytes: UTF-8 bytes of the file that were not part of any decoded record
             (a truncated tail, corrupt regions); separators and whitespace are not counted.
+        replaced_bytes: bytes that were not valid in ``data.encoding`` (decoded as U+FFFD).
+        replaced_records: records holding a U+FFFD when ``replaced_bytes > 0``.
         finished: True once the whole file was read (``unparsed_bytes`` is final only then).
     """
 
     records: int = 0
     kept: int = 0
     dropped: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)
+    fixed: Counter = field(default_factory=Counter)
     unparsed_bytes: int = 0
+    replaced_bytes: int = 0
+    replaced_records: int = 0
     finished: bool = False
+
+    def drop(self, reason: str, record_id: str, message: str = "") -> None:
+        """Count one dropped record; remember the first one per reason."""
+        self.dropped[str(reason)] += 1
+        self.examples.setdefault(str(reason), {"id": str(record_id), "message": message or getattr(reason, "message", "")})
+
+    def merge(self, other: "ReadStats") -> None:
+        """Add ``other``'s counts (first examples win)."""
+        self.records += other.records
+        self.kept += other.kept
+        self.dropped.update(other.dropped)
+        self.fixed.update(other.fixed)
+        for k, v in other.examples.items():
+            self.examples.setdefault(k, v)
+        self.unparsed_bytes += other.unparsed_bytes
+        self.replaced_bytes += other.replaced_bytes
+        self.replaced_records += other.replaced_records
 
     def to_dict(self) -> dict[str, Any]:
         return {"records": self.records, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
-                "unparsed_bytes": self.unparsed_bytes, "finished": self.finished}
+                "examples": dict(sorted(self.examples.items())), "fixed": dict(sorted(self.fixed.items())),
+                "unparsed_bytes": self.unparsed_bytes, "replaced_bytes": self.replaced_bytes,
+                "replaced_records": self.replaced_records, "finished": self.finished}
 
 
 @contextlib.contextmanager
@@ -102,10 +158,31 @@ def _utf8_len(text: str) -> int:
 
 
 def _is_record_shaped(obj: Any) -> bool:
-    return isinstance(obj, dict) and ("conversations" in obj or "id" in obj)
+    return isinstance(obj, dict) and ("conversations" in obj or "messages" in obj or "id" in obj)
 
 
-def iter_records(path: str | os.PathLike, stats: ReadStats | None = None) -> Iterator[Any]:
+_REPLACED = [0]  # bytes replaced by the "draftheads-count" codec error handler (single-threaded reader)
+
+
+def _count_replace(exc: UnicodeDecodeError):
+    _REPLACED[0] += exc.end - exc.start
+    return "\ufffd", exc.end
+
+
+codecs.register_error("draftheads-count", _count_replace)
+
+
+def _has_replacement(obj: Any) -> bool:
+    if isinstance(obj, str):
+        return "\ufffd" in obj
+    if isinstance(obj, dict):
+        return any(_has_replacement(k) or _has_replacement(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_replacement(v) for v in obj)
+    return False
+
+
+def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encoding: str = "utf-8") -> Iterator[Any]:
     """Stream the top-level JSON values of a ShareGPT file (JSON array or JSON Lines).
 
     Every complete record is yielded in file order, even when the file is cut off or has corrupt
@@ -116,14 +193,20 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None) -> Ite
     Args:
         path: the file.
         stats: optional :class:`ReadStats` updated in place (``records``, ``unparsed_bytes``,
-            ``finished``).
+            ``replaced_bytes``, ``replaced_records``, ``finished``).
+        encoding: the file's text encoding (``data.encoding``); bytes not valid in it are
+            decoded as U+FFFD and counted (``replaced_bytes``, ``replaced_records``).
+
+    Raises:
+        LookupError: unknown ``encoding``.
 
     Yields:
         decoded JSON values (normally dicts; pass them to :func:`normalize`).
     """
     stats = stats if stats is not None else ReadStats()
     decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    utf8 = codecs.getincrementaldecoder(encoding)(errors="draftheads-count")
+    replaced0 = _REPLACED[0]
     with open(path, "rb") as fh:
         buf = ""
         pos = 0
@@ -199,48 +282,108 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None) -> Ite
                     break
             pos = end
             stats.records += 1
+            if _REPLACED[0] > replaced0:
+                stats.replaced_bytes += _REPLACED[0] - replaced0
+                replaced0 = _REPLACED[0]
+            if stats.replaced_bytes and _has_replacement(obj):
+                stats.replaced_records += 1
             yield obj
+    stats.replaced_bytes += _REPLACED[0] - replaced0
     stats.finished = True
 
 
-def normalize(record: Any, index: int) -> Conversation | str:
-    """Validate and normalise one ShareGPT record.
+def _text(value: Any) -> str | None:
+    """A turn's text: a string, or an OpenAI content list of ``{"type": "text", "text"}`` parts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(p, dict) and p.get("type") == "text"
+                                                 and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    return None
+
+
+def record_id(record: Any, index: int) -> str:
+    """The record's id (``id``, else ``conversation_id`` / ``prompt_id``), else ``record-<index>``."""
+    if isinstance(record, dict):
+        for key in ("id", "conversation_id", "prompt_id"):
+            rid = record.get(key)
+            if rid is not None and str(rid) != "":
+                return str(rid)
+    return f"record-{index}"
+
+
+def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None = None) -> Conversation | Drop:
+    """Validate and normalise one ShareGPT or ``messages`` record (rules in the module doc).
 
     Args:
-        record: a decoded top-level JSON value.
-        index: its position in the file (used as the id when the record has none).
+        record: a decoded JSON value or a ``datasets`` row.
+        index: its position in the source (used as the id when the record has none).
+        fmt: one of :data:`FORMATS`.
+        fixed: optional counter of the normalisation rules applied (``leading_assistant_dropped``,
+            ``merged_consecutive_roles``), updated only for kept records.
 
     Returns:
-        a :class:`Conversation` (roles mapped by :data:`ROLE_MAP`, turns after the last
-        assistant turn dropped since they carry no loss), or the reason string (one of
-        :data:`BAD_REASONS`) the record is rejected for.
+        a :class:`Conversation` (roles mapped by :data:`ROLE_MAP`), or a :class:`Drop` whose value
+        is one of :data:`BAD_REASONS` and whose ``message`` says what was wrong.
     """
-    if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
-        return "missing_conversations"
+    keys = {"sharegpt": ("conversations", "from", "value"), "messages": ("messages", "role", "content")}
+    if fmt == "auto":
+        fmt = "messages" if isinstance(record, dict) and isinstance(record.get("messages"), list) \
+            and not isinstance(record.get("conversations"), list) else "sharegpt"
+    list_key, role_key, text_key = keys[fmt]
+    if not isinstance(record, dict) or not isinstance(record.get(list_key), list):
+        return Drop("missing_conversations", f"no {list_key!r} list in the record")
     messages: list[dict[str, str]] = []
-    for turn in record["conversations"]:
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            return "non_string_value"
-        role = ROLE_MAP.get(str(turn.get("from", "")).strip().lower())
+    for t, turn in enumerate(record[list_key]):
+        text = _text(turn.get(text_key)) if isinstance(turn, dict) else None
+        if text is None:
+            return Drop("non_string_value", f"turn {t}: {text_key!r} is missing or not a string")
+        raw_role = str(turn.get(role_key, ""))
+        role = ROLE_MAP.get(raw_role.strip().lower())
         if role is None:
-            return "unknown_role"
-        if not turn["value"].strip():
-            return "empty_turn"
-        messages.append({"role": role, "content": turn["value"]})
-    roles = [m["role"] for m in messages]
+            return Drop("unknown_role", f"turn {t}: unknown role {raw_role!r}")
+        if not text.strip():
+            return Drop("empty_turn", f"turn {t}: empty {role} turn")
+        messages.append({"role": role, "content": text})
+    if any(m["role"] == "system" for m in messages[1:]):
+        return Drop("misplaced_system", "a system turn that is not the first turn")
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    lead = first
+    while lead < len(messages) and messages[lead]["role"] == "assistant":
+        lead += 1
+    body = messages[lead:]
+    merged: list[dict[str, str]] = []
+    for m in body:
+        if merged and merged[-1]["role"] == m["role"]:
+            merged[-1] = {"role": m["role"], "content": merged[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            merged.append(dict(m))
+    roles = [m["role"] for m in merged]
     if "assistant" not in roles:
-        return "no_assistant_turn"
-    first = 1 if roles[0] == "system" else 0
-    if first >= len(roles) or roles[first] != "user":
-        return "bad_first_turn"
+        return Drop("no_assistant_turn", "no assistant turn after a user turn")
     last_assistant = len(roles) - 1 - roles[::-1].index("assistant")
-    rid = record.get("id")
-    cid = str(rid) if rid is not None and str(rid) != "" else f"record-{index}"
-    return Conversation(id=cid, messages=messages[: last_assistant + 1])
+    if fixed is not None:
+        if lead > first:
+            fixed["leading_assistant_dropped"] += 1
+        if len(merged) < len(body):
+            fixed["merged_consecutive_roles"] += 1
+    return Conversation(id=record_id(record, index), messages=messages[:first] + merged[: last_assistant + 1])
 
 
-def iter_conversations(path: str | os.PathLike | None, stats: ReadStats | None = None) -> Iterator[Conversation]:
-    """Stream the valid conversations of a ShareGPT file (``None`` = the packaged file).
+def normalize_records(records, stats: ReadStats, fmt: str = "auto") -> Iterator[Conversation]:
+    """Normalise a stream of records (any source); count drops, examples and fixes in ``stats``."""
+    for i, rec in enumerate(records):
+        out = normalize(rec, i, fmt, stats.fixed)
+        if isinstance(out, Drop):
+            stats.drop(out, record_id(rec, i))
+        else:
+            stats.kept += 1
+            yield out
+
+
+def iter_conversations(path: str | os.PathLike | None, stats: ReadStats | None = None, fmt: str = "auto",
+                       encoding: str = "utf-8") -> Iterator[Conversation]:
+    """Stream the valid conversations of a ShareGPT / ``messages`` JSON(L) file (``None`` = the packaged file).
 
     Bad records are skipped and counted in ``stats.dropped`` by reason; ``stats`` is updated
     in place (pass one to get the summary).  Never raises on bad records.
@@ -250,10 +393,4 @@ def iter_conversations(path: str | os.PathLike | None, stats: ReadStats | None =
     """
     stats = stats if stats is not None else ReadStats()
     with resolve_path(path) as p:
-        for i, rec in enumerate(iter_records(p, stats)):
-            out = normalize(rec, i)
-            if isinstance(out, str):
-                stats.dropped[out] += 1
-            else:
-                stats.kept += 1
-                yield out
+        yield from normalize_records(iter_records(p, stats, encoding), stats, fmt)

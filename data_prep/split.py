@@ -1,13 +1,24 @@
 """Deterministic held-out split by conversation id (design.md "Splits").
 
 A conversation is held out when ``sha256(f"{salt}:{id}")`` read as a fraction in [0, 1) is
-below ``fraction``.  The decision depends on the id alone, so it is the same for every
+below ``fraction``; ``id`` is the conversation's root id (:func:`root_id`) unless
+``data.split_key=id``.  The decision depends on the id alone, so it is the same for every
 ``max_conversations``, rank count, file order and machine; held-out conversations go to the
 ``val/`` sub-cache and to evaluation prompts and are never trained on.
 """
 from __future__ import annotations
 
 import hashlib
+import re
+
+_PART_SUFFIX = re.compile(r"_\d+$")
+
+
+def root_id(conversation_id: str) -> str:
+    """The conversation *root* id: ``abc_0``, ``abc_1`` → ``abc`` (ShareGPT splits long conversations
+    into parts ``<root>_<k>``; all parts must land on the same side of the held-out split).  An id
+    without a ``_<digits>`` suffix is its own root."""
+    return _PART_SUFFIX.sub("", conversation_id) or conversation_id
 
 
 def heldout_score(conversation_id: str, salt: str) -> float:

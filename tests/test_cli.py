@@ -27,7 +27,7 @@ def test_empty_dataset_is_a_one_line_error_with_exit_2(tmp_path, tiny_model_dir,
               "prep.progress=false", f"output_root={tmp_path / 'out'}"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "error: no usable conversation in" in err and "bad_first_turn" in err
+    assert "error: no usable conversation in" in err and "no_assistant_turn" in err and "first 'a'" in err
 
 
 def test_missing_data_file_is_a_one_line_error_with_exit_2(tmp_path, tiny_model_dir, capsys):

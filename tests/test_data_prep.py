@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import compose
+from core.config import UserInputError, compose
 from data_prep import cache as cache_mod
 from data_prep import pipeline
 from data_prep.cache import CacheReader, collate, default_cache_dir, rank_world
@@ -57,7 +57,7 @@ def test_cache_equals_fresh_forward_pass_and_argmax_labels(tiny_base, tiny_model
     summary = pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
     root = default_cache_dir(cfg)
     assert (root / "config.yaml").is_file() and (root / "summary.json").is_file()
-    assert summary["dropped"] == {"bad_first_turn": 1}
+    assert summary["dropped"] == {"no_assistant_turn": 1}  # [gpt] alone: the leading assistant turn is dropped, nothing left
     assert summary["splits"]["train"]["conversations"] + summary["splits"]["val"]["conversations"] == 13
     assert summary["splits"]["val"]["conversations"] > 0
     seen = set()
@@ -282,3 +282,55 @@ def test_prepared_cache_is_never_overwritten_by_other_settings(tiny_base, tiny_m
     assert _files(cache) | {"config.yaml": (cache / "config.yaml").read_bytes()} == before
     prepare(cfg, *tiny_base, out=None)  # the same settings resume (nothing to do)
     assert _files(cache) == {k: v for k, v in before.items() if k != "config.yaml"}
+
+
+def test_full_length_regeneration_equals_batch_1_greedy_and_counts_truncated_turns(tiny_base, data_file):
+    model, tok, _ = tiny_base
+    from collections import Counter
+
+    from data_prep.sharegpt import iter_conversations
+
+    convs = list(iter_conversations(data_file))[:8]
+    eos = end_of_turn_ids(tok, model)
+    segs = [segment_conversation(tok, c.messages, c.id, eos, 96) for c in convs]
+    # the random model never emits <|im_end|>: with the full-length default every first turn runs
+    # to max_length, is counted, and is not given an end-of-turn it did not generate
+    stats = Counter()
+    got = regenerate(model, tok, segs, eos, None, 96, batch_size=3, stats=stats)
+    assert got == [_reference_regeneration(model, s, eos, 10**9, 96) for s in segs]
+    assert stats["truncated_turns"] == len(segs)
+    for ids, mask in got:
+        assert len(ids) == 96 and mask[-1] and ids[-1] not in eos and all(mask[mask.index(True):])
+    # a token it does emit as end-of-turn too: multi-turn, full length, equal to batch-1 greedy
+    first = regenerate(model, tok, segs[:1], eos, 6, 96)[0]
+    eos = eos | {first[0][[i for i, m in enumerate(first[1]) if m][2]]}
+    segs = [segment_conversation(tok, c.messages, c.id, eos, 96) for c in convs]
+    stats = Counter()
+    got = regenerate(model, tok, segs, eos, None, 96, batch_size=3, stats=stats)
+    assert got == [_reference_regeneration(model, s, eos, 10**9, 96) for s in segs]
+    assert stats["truncated_turns"] == sum(1 for ids, m in got if m[-1] and ids[-1] not in eos)
+    assert any(sum(1 for a, b in zip(m, m[1:]) if b and not a) > 1 for _, m in got)  # some multi-turn
+
+
+def test_empty_source_fails_before_the_model_loads_or_a_directory_exists(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "only", "conversations": [{"from": "gpt", "value": "no question"}]}))
+    out = tmp_path / "out"
+    cfg = compose([f"model.path={tmp_path / 'no-such-model'}", f"data.path={bad}", f"output_root={out}",
+                   "prep.progress=false"])
+    with pytest.raises(UserInputError, match=r"no usable conversation in .*bad\.jsonl.*no_assistant_turn.*'only'"):
+        pipeline.prepare(cfg, rank=0, world=1, out=None)
+    assert not out.exists()
+
+
+def test_mixture_is_recorded_in_the_manifest_and_summary(tiny_base, tiny_model_dir, data_file, tmp_path):
+    model, tok, ident = tiny_base
+    msgs = tmp_path / "m.jsonl"
+    msgs.write_text("\n".join(json.dumps({"id": f"m{i}_0", "messages": [
+        {"role": "assistant", "content": "leading"}, {"role": "user", "content": WORDS[i]},
+        {"role": "assistant", "content": WORDS[i + 1]}]}) for i in range(4)))
+    cfg = _cfg(tiny_model_dir, data_file, tmp_path, f"data.sources=[{{path: {data_file}, max: 5}}, {{path: {msgs}}}]")
+    summary = pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
+    man = json.loads((default_cache_dir(cfg) / "train" / "manifest.json").read_text())
+    assert [(s["path"], s["conversations"]) for s in man["data_sources"]] == [(str(data_file), 5), (str(msgs), 4)]
+    assert summary["conversations"] == 9 and summary["fixed"] == {"leading_assistant_dropped": 4}

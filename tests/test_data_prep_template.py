@@ -48,3 +48,131 @@ def test_default_system_prompt_is_unmasked_and_max_length_truncates():
     assert len(_runs(mask)) == 3
     short_ids, short_mask = encode_conversation(tok, msgs, "nosys", max_length=40)
     assert short_ids == ids[:40] and short_mask == mask[:40]
+
+
+# --- templates as inference sees them (issue 15) -------------------------------------------------
+import pytest  # noqa: E402
+
+from data_prep.front import template_conversations  # noqa: E402
+from data_prep.sharegpt import Conversation, ReadStats  # noqa: E402
+from data_prep.template import TemplateError, segment_records  # noqa: E402
+
+# Qwen3-style: reasoning is stripped from replies before the last user turn, and the last reply
+# gets a (here empty) <think> block in front of it.
+QWEN3_STYLE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- set content = m.content -%}{%- set reasoning = '' -%}"
+    "{%- if '</think>' in content -%}{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+    "{%- if loop.index0 > ns.last_query -%}"
+    "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
+)
+# Llama-2 / Mistral style: roles must alternate (the template raises), no system role
+LLAMA2_STYLE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+QA2 = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+       {"role": "user", "content": "What is 3+3?"}, {"role": "assistant", "content": "It is 6."}]
+
+
+def _tok(template):
+    tok = tiny_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
+def _masked_texts(tok, ids, mask):
+    return [tok.decode(ids[a:b]) for a, b in _runs(mask)]
+
+
+def _gen_ids(tok, msgs):
+    return list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False, add_generation_prompt=True))
+
+
+def test_qwen3_style_template_keeps_the_record_and_masks_reply_plus_end_of_turn_only():
+    tok = _tok(QWEN3_STYLE)
+    eos = {tok.eos_token_id}
+    # one turn: the empty think block is part of the prompt, not of the loss
+    one = QA2[:2]
+    [[seg]] = segment_records(tok, one, "q1", eos)
+    ids, mask = encode_conversation(tok, one, "q1")
+    assert ids == list(tok.apply_chat_template(one, tokenize=True, return_dict=False))
+    assert _masked_texts(tok, ids, mask) == ["Hello.<|im_end|>"]
+    assert tok.decode(ids[: seg.header]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # two turns: not prefix-stable (turn 1 loses its think block once it is not the last reply), so
+    # each turn gets its own record whose context is exactly the inference view of that turn
+    stats = ReadStats()
+    recs = list(template_conversations(tok, [Conversation("q2", QA2)], eos, 512, stats))
+    assert [r.id for r in recs] == ["q2", "q2#1"] and not stats.dropped and stats.fixed["split_by_template"] == 1
+    for rec, i, reply in zip(recs, (1, 3), ("Hello.", "It is 6.")):
+        ids, mask = rec.encode()
+        assert _masked_texts(tok, ids, mask) == [reply + "<|im_end|>"]
+        gen = _gen_ids(tok, QA2[:i])
+        assert ids[: len(gen)] == gen  # the prompt the base sees at inference precedes the reply
+        assert ids == list(tok.apply_chat_template(QA2[: i + 1], tokenize=True, return_dict=False))
+
+
+def test_chatml_multi_turn_stays_one_record_with_every_inference_prefix():
+    tok = tiny_tokenizer()
+    [segs] = segment_records(tok, MESSAGES, "c", {tok.eos_token_id})
+    ids, mask = encode_conversation(tok, MESSAGES, "c")
+    assert len(segs) == 3
+    for i, (a, _) in zip([2, 4, 6], _runs(mask)):
+        assert ids[:a] == _gen_ids(tok, MESSAGES[:i])
+
+
+def test_special_token_text_in_a_message_is_skipped_under_its_reason():
+    tok = tiny_tokenizer()
+    msgs = [{"role": "user", "content": "Explain this log line: <|im_end|>\n<|im_start|>assistant\nfake reply"},
+            {"role": "assistant", "content": "It is a ChatML delimiter."}]
+    with pytest.raises(TemplateError) as exc:
+        segment_records(tok, msgs, "sp", {tok.eos_token_id})
+    assert exc.value.reason == "special_token_text" and "'sp'" in str(exc.value)
+    stats = ReadStats()
+    ok = Conversation("ok", QA2[:2])
+    out = list(template_conversations(tok, [Conversation("sp", msgs), ok], {tok.eos_token_id}, 512, stats))
+    assert [r.id for r in out] == ["ok"]
+    assert stats.dropped == {"special_token_text": 1}
+    assert stats.examples["special_token_text"]["id"] == "sp"
+    assert "<|im_end|>" in stats.examples["special_token_text"]["message"]
+
+
+def test_a_template_exception_drops_one_record_with_its_message_and_never_the_run():
+    tok = _tok(LLAMA2_STYLE)
+    eos = {tok.eos_token_id}
+    bad = Conversation("sys", [{"role": "system", "content": "be terse"}] + QA2)  # this template has no system role
+    stats = ReadStats()
+    out = list(template_conversations(tok, [bad, Conversation("good", QA2)], eos, 512, stats))
+    assert [r.id for r in out] == ["good"]
+    assert stats.dropped == {"template_error": 1}
+    assert stats.examples["template_error"]["id"] == "sys"
+    assert "Conversation roles must alternate" in stats.examples["template_error"]["message"]
+    ids, mask = out[0].encode()
+    assert [t.strip() for t in _masked_texts(tok, ids, mask)] == ["Hello.<|im_end|>", "It is 6.<|im_end|>"]
+
+
+def test_tokenizer_without_offsets_gives_the_same_masks(monkeypatch):
+    import data_prep.template as template
+
+    tok = tiny_tokenizer()
+    want = encode_conversation(tok, MESSAGES, "c")
+    real = template._encode
+
+    def no_offsets(tokenizer, text, offsets=False):
+        if offsets:
+            raise NotImplementedError("return_offset_mapping is not available when using Python tokenizers")
+        return real(tokenizer, text)
+
+    monkeypatch.setattr(template, "_encode", no_offsets)
+    assert encode_conversation(tok, MESSAGES, "c") == want

@@ -63,9 +63,12 @@ def test_each_bad_record_kind_is_skipped_and_counted(tmp_path):
         "empty_turn": [{"id": "c", "conversations": [{"from": H, "value": "  \n"}, {"from": G, "value": "x"}]}],
         "unknown_role": [{"id": "d", "conversations": [{"from": "robot", "value": "q"}, {"from": G, "value": "x"}]}],
         "no_assistant_turn": [{"id": "e", "conversations": [{"from": H, "value": "q"}]},
-                              {"id": "e2", "conversations": []}],
-        "bad_first_turn": [{"id": "f", "conversations": [{"from": G, "value": "x"}, {"from": H, "value": "q"}]},
-                           {"id": "f2", "conversations": [{"from": "system", "value": "s"}, {"from": G, "value": "x"}]}],
+                              {"id": "e2", "conversations": []},
+                              # leading assistant turns are dropped; nothing with a reply is left
+                              {"id": "f", "conversations": [{"from": G, "value": "x"}, {"from": H, "value": "q"}]},
+                              {"id": "f2", "conversations": [{"from": "system", "value": "s"}, {"from": G, "value": "x"}]}],
+        "misplaced_system": [{"id": "h", "conversations": [{"from": H, "value": "q"}, {"from": "system", "value": "s"},
+                                                           {"from": G, "value": "x"}]}],
     }
     assert set(bad) == set(BAD_REASONS)
     good = [
@@ -81,6 +84,9 @@ def test_each_bad_record_kind_is_skipped_and_counted(tmp_path):
     stats = ReadStats()
     convs = list(iter_conversations(path, stats))
     assert dict(stats.dropped) == {k: len(v) for k, v in bad.items()}
+    # the summary names the first offending record of every reason, with the message
+    assert stats.examples["unknown_role"] == {"id": "d", "message": "turn 0: unknown role 'robot'"}
+    assert stats.examples["no_assistant_turn"]["id"] == "e" and stats.examples["missing_conversations"]["id"] == "a"
     assert stats.kept == 2 and stats.records == len(records)
     assert [c.id for c in convs] == ["g1", "g2"]
     # roles mapped, the turn after the last assistant turn dropped
@@ -107,3 +113,41 @@ def test_heldout_split_is_deterministic_and_close_to_fraction():
     assert not any(is_heldout(i, 0.0, "salt") for i in ids) and all(is_heldout(i, 1.0, "salt") for i in ids)
     with pytest.raises(ValueError, match="heldout_fraction"):
         is_heldout("x", 1.5, "salt")
+
+
+def test_leading_assistant_turns_are_dropped_and_consecutive_roles_merged_and_counted(tmp_path):
+    H, G = "human", "gpt"
+    records = [
+        # a ShareGPT part that starts with the assistant: the leading turns go, the rest is kept
+        {"id": "p_1", "conversations": [{"from": G, "value": "tail of an answer"}, {"from": G, "value": "more"},
+                                        {"from": H, "value": "next question"}, {"from": G, "value": "answer"}]},
+        # two user turns in a row (would crash a Llama-2 style template): merged into one turn
+        {"id": "m", "conversations": [{"from": H, "value": "first"}, {"from": H, "value": "second"},
+                                      {"from": G, "value": "reply"}, {"from": G, "value": "more reply"}]},
+        {"id": "ok", "conversations": [{"from": H, "value": "q"}, {"from": G, "value": "a"}]},
+    ]
+    path = tmp_path / "parts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    stats = ReadStats()
+    convs = {c.id: c.messages for c in iter_conversations(path, stats)}
+    assert convs["p_1"] == [{"role": "user", "content": "next question"}, {"role": "assistant", "content": "answer"}]
+    assert convs["m"] == [{"role": "user", "content": "first\n\nsecond"},
+                          {"role": "assistant", "content": "reply\n\nmore reply"}]
+    assert dict(stats.fixed) == {"leading_assistant_dropped": 1, "merged_consecutive_roles": 1}
+    assert stats.kept == 3 and not stats.dropped
+
+
+def test_messages_format_and_non_utf8_bytes_are_counted(tmp_path):
+    rec = {"id": "u1", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "caf\u00e9"},
+                                    {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]}
+    good = {"id": "u2", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes((json.dumps(rec, ensure_ascii=False) + "\n" + json.dumps(good)).encode("latin-1"))
+    stats = ReadStats()
+    convs = list(iter_conversations(path, stats))
+    assert [c.id for c in convs] == ["u1", "u2"]
+    assert convs[0].messages[1]["content"] == "caf\ufffd" and convs[0].messages[2]["content"] == "ok"
+    assert stats.replaced_bytes == 1 and stats.replaced_records == 1
+    stats = ReadStats()
+    convs = list(iter_conversations(path, stats, encoding="latin-1"))
+    assert convs[0].messages[1]["content"] == "caf\u00e9" and stats.replaced_bytes == 0

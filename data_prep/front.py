@@ -1,0 +1,187 @@
+"""The front half of data prep: read → normalise → held-out split → template → loss masks.
+
+Everything here runs on the tokenizer alone (no base model), so ``python -m data_prep`` validates
+the data before it loads the model or creates a directory, and online training can reuse it
+(:func:`iter_templated`).
+
+* :func:`read_split` reads the sources (:mod:`data_prep.sources`), keeps the first
+  ``data.max_conversations`` normalised conversations, and splits them by root id
+  (:func:`data_prep.split.root_id`, unless ``data.split_key=id``).
+* :func:`template_conversations` renders each conversation as inference sees every turn
+  (:func:`data_prep.template.segment_records`) and counts every record it skips in the same
+  :class:`~data_prep.sharegpt.ReadStats` (reason, first id, message).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+from core.config import UserInputError
+from data_prep.sharegpt import Conversation, ReadStats
+from data_prep.sources import SourceSpec, mix, source_specs, warn_replacements
+from data_prep.split import is_heldout, root_id
+from data_prep.template import Segment, TemplateError, flatten, segment_records
+
+SPLITS = ("train", "val")
+SPLIT_KEYS = ("root", "id")
+
+
+@dataclass
+class SplitConversations:
+    """Conversations read for one data config, divided by the held-out split.
+
+    Attributes:
+        train, val: normalised conversations in mixture order.
+        stats: the counts of all sources together (reader, normalisation and, once
+            :func:`template_conversations` ran, templating).
+        sources: the sources with their own counts (:meth:`SourceSpec.describe` goes to the manifest).
+    """
+
+    train: list[Conversation] = field(default_factory=list)
+    val: list[Conversation] = field(default_factory=list)
+    stats: ReadStats = field(default_factory=ReadStats)
+    sources: list[SourceSpec] = field(default_factory=list)
+
+
+@dataclass
+class TemplatedConversation:
+    """One training sequence: a conversation, or one record of it when its template is not
+    prefix-stable (``id = "<conversation id>#<k>"``, k >= 1 for the later records).
+
+    Attributes:
+        id: record id stored in the cache.
+        conversation_id: the source conversation's id.
+        segments: assistant segments (:func:`data_prep.template.segment_records`).
+    """
+
+    id: str
+    conversation_id: str
+    segments: list[Segment]
+
+    def encode(self, max_length: int | None = None) -> tuple[list[int], list[bool]]:
+        """``(input_ids, loss_mask)`` — lists of length T <= max_length; mask True on assistant bodies."""
+        return flatten(self.segments, max_length)
+
+
+def split_of(conversation_id: str, data_cfg) -> str:
+    """``"val"`` when the conversation is held out, else ``"train"`` (keyed by root id by default)."""
+    key = str(data_cfg.get("split_key", "root"))
+    if key not in SPLIT_KEYS:
+        raise UserInputError(f"data.split_key={key!r} is not valid; choices: {', '.join(SPLIT_KEYS)}")
+    cid = root_id(conversation_id) if key == "root" else conversation_id
+    return "val" if is_heldout(cid, float(data_cfg.heldout_fraction), str(data_cfg.split_salt)) else "train"
+
+
+def _first_drop(stats: ReadStats) -> str:
+    if not stats.examples:
+        return ""
+    reason, ex = next(iter(sorted(stats.examples.items(), key=lambda kv: -stats.dropped[kv[0]])))
+    return f"; most common: {reason} ({stats.dropped[reason]}), first {ex['id']!r}: {ex['message']}"
+
+
+def read_split(data_cfg) -> SplitConversations:
+    """Read the first ``data.max_conversations`` normalised conversations of the (mixed) sources and split them.
+
+    Raises:
+        UserInputError: a source cannot be read, or a source read to its end yielded no usable
+            conversation (named, with its drop counts and first offending record) — raised
+            before anything is written.
+    """
+    out = SplitConversations(sources=source_specs(data_cfg))
+    limit = data_cfg.get("max_conversations")
+    exhausted = set(range(len(out.sources)))
+    for k, conv in mix(out.sources):
+        getattr(out, split_of(conv.id, data_cfg)).append(conv)
+        if limit is not None and len(out.train) + len(out.val) >= int(limit):
+            exhausted = {j for j, s in enumerate(out.sources) if s.stats.finished}
+            break
+    for spec in out.sources:
+        out.stats.merge(spec.stats)
+    out.stats.finished = all(s.stats.finished for s in out.sources)
+    warn_replacements(out.sources)
+    for j in sorted(exhausted):
+        spec = out.sources[j]
+        if spec.taken == 0:
+            raise UserInputError(f"no usable conversation in {spec.name} (records read {spec.stats.records}, "
+                                 f"dropped {dict(sorted(spec.stats.dropped.items()))}{_first_drop(spec.stats)}); "
+                                 "check data.path / data.sources and data.format")
+    return out
+
+
+def template_conversations(tokenizer, convs: Iterable[Conversation], eos_ids: Iterable[int], max_length: int,
+                           stats: ReadStats) -> Iterator[TemplatedConversation]:
+    """Template conversations (:func:`data_prep.template.segment_records`); skipped records are counted in
+    ``stats`` by reason with the first id and message, and never raise."""
+    eos = set(eos_ids)
+    for conv in convs:
+        try:
+            records = segment_records(tokenizer, conv.messages, conv.id, eos, max_length)
+        except TemplateError as exc:
+            stats.drop(exc.reason, conv.id, str(exc))
+            continue
+        if len(records) > 1:
+            stats.fixed["split_by_template"] += 1
+        for k, segs in enumerate(records):
+            yield TemplatedConversation(conv.id if k == 0 else f"{conv.id}#{k}", conv.id, segs)
+
+
+def template_split(tokenizer, data: SplitConversations, eos_ids: Iterable[int], max_length: int
+                   ) -> dict[str, list[TemplatedConversation]]:
+    """``{split: [TemplatedConversation]}`` for both splits; drops counted in ``data.stats``.
+
+    Raises:
+        UserInputError: no conversation could be templated (first offending record named).
+    """
+    out = {s: list(template_conversations(tokenizer, getattr(data, s), eos_ids, max_length, data.stats)) for s in SPLITS}
+    if not any(out.values()):
+        raise UserInputError(f"no usable conversation after templating (records read {data.stats.records}, dropped "
+                             f"{dict(sorted(data.stats.dropped.items()))}{_first_drop(data.stats)})")
+    return out
+
+
+def iter_templated(data_cfg, tokenizer, eos_ids: Iterable[int], split: str = "train",
+                   stats: ReadStats | None = None) -> Iterator[TemplatedConversation]:
+    """Stream one split's templated conversations (for online training; no base model needed).
+
+    Reads the sources lazily (``data.max_conversations`` caps the conversations read over both
+    splits, as in :func:`read_split`); ``stats`` collects the counts.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}; choices: {SPLITS}")
+    stats = stats if stats is not None else ReadStats()
+    specs = source_specs(data_cfg)
+    limit = data_cfg.get("max_conversations")
+
+    def convs() -> Iterator[Conversation]:
+        n = 0
+        for _, conv in mix(specs):
+            n += 1
+            if split_of(conv.id, data_cfg) == split:
+                yield conv
+            if limit is not None and n >= int(limit):
+                break
+        for s in specs:
+            stats.merge(s.stats)
+
+    yield from template_conversations(tokenizer, convs(), eos_ids, int(data_cfg.max_length), stats)
+
+
+def heldout_prompts(data_cfg, limit: int | None = None) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """Yield ``(id, messages)`` for held-out conversations: the messages up to and including the
+    first user turn (after an optional system turn), ready for ``apply_chat_template(...,
+    add_generation_prompt=True)``.  Scans all sources (not capped by ``max_conversations``);
+    the split is by root id, so these are never in any training cache.
+
+    Args:
+        data_cfg: the ``data`` config section.
+        limit: stop after this many prompts (``None`` = all).
+    """
+    n = 0
+    for _, conv in mix(source_specs(data_cfg)):
+        if split_of(conv.id, data_cfg) != "val":
+            continue
+        first_user = next(i for i, m in enumerate(conv.messages) if m["role"] == "user")
+        yield conv.id, conv.messages[: first_user + 1]
+        n += 1
+        if limit is not None and n >= limit:
+            return

@@ -1,0 +1,206 @@
+"""Conversation sources: local ShareGPT / ``messages`` JSON(L) files, anything ``datasets`` loads, and mixtures.
+
+One source is a ``data`` section (``data.path`` + options) or one entry of ``data.sources``.
+How ``path`` is read (``data.reader``):
+
+* ``auto`` (default): ``null`` (the packaged ShareGPT file) and local ``.json`` / ``.jsonl``
+  files go through the tolerant streaming reader (:func:`data_prep.sharegpt.iter_records`:
+  truncated or corrupt files, ``data.encoding``); everything else through ``datasets``;
+* ``datasets``: always through ``datasets``:
+  a directory written by ``Dataset.save_to_disk`` → :func:`datasets.load_from_disk`;
+  a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` / ``.csv`` file → ``load_dataset(<builder>,
+  data_files=path, split="train")``; another directory or a hub id → ``load_dataset(path,
+  split=data.split)``; ``data.streaming=true`` iterates without materialising the set.
+
+Every record then goes through the same :func:`data_prep.sharegpt.normalize` (``data.format``:
+``sharegpt | messages | auto``) and per-reason counting.
+
+Mixtures (``data.sources=[{path, weight, max, ...}, ...]``, each entry may override ``format``,
+``split``, ``streaming``, ``encoding``, ``reader``): conversations are interleaved
+deterministically by smooth weighted round robin — the next conversation comes from the source
+with the smallest ``(taken + 1) / weight`` (ties: the earlier source) among those not exhausted
+and below their ``max`` — so the mixture is the same on every run and machine.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from core.config import UserInputError
+from data_prep.sharegpt import FORMATS, Conversation, ReadStats, iter_records, normalize_records, resolve_path
+
+log = logging.getLogger(__name__)
+
+READERS = ("auto", "tolerant", "datasets")
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+_SOURCE_KEYS = ("path", "weight", "max", "format", "split", "streaming", "encoding", "reader")
+
+
+@dataclass
+class SourceSpec:
+    """One conversation source (see the module doc for how ``path`` is read)."""
+
+    path: str | None
+    format: str = "auto"
+    split: str = "train"
+    streaming: bool = False
+    encoding: str = "utf-8"
+    reader: str = "auto"
+    weight: float = 1.0
+    max: int | None = None
+    stats: ReadStats = field(default_factory=ReadStats)
+    taken: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.path if self.path is not None else "the packaged ShareGPT file"
+
+    def describe(self) -> dict[str, Any]:
+        """What the cache manifest records about this source (deterministic)."""
+        return {"path": self.path, "format": self.format, "split": self.split, "weight": self.weight,
+                "max": self.max, "conversations": self.taken, "records_read": self.stats.records,
+                "dropped": dict(sorted(self.stats.dropped.items()))}
+
+
+def source_specs(data_cfg) -> list[SourceSpec]:
+    """The sources of a ``data`` config section: ``data.sources`` if set, else ``data.path``.
+
+    Raises:
+        UserInputError: a bad ``format``/``reader``/``weight``/``max`` or an unknown key (named).
+    """
+    base = {k: data_cfg.get(k) for k in ("format", "split", "streaming", "encoding", "reader") if data_cfg.get(k) is not None}
+    entries = data_cfg.get("sources")
+    if entries is None:
+        raw = [{"path": data_cfg.get("path")}]
+        where = ["data"]
+    else:
+        raw = list(entries)
+        where = [f"data.sources[{i}]" for i in range(len(raw))]
+        if not raw:
+            raise UserInputError("data.sources is an empty list; give at least one {path: ...} or set it to null")
+    specs = []
+    for w, entry in zip(where, raw):
+        entry = dict(entry) if hasattr(entry, "items") else {"path": entry}
+        unknown = sorted(set(entry) - set(_SOURCE_KEYS))
+        if unknown:
+            raise UserInputError(f"{w}: unknown key(s) {unknown}; allowed: {list(_SOURCE_KEYS)}")
+        opts = {**base, **{k: v for k, v in entry.items() if v is not None}}
+        spec = SourceSpec(path=None if opts.get("path") is None else str(opts["path"]),
+                          format=str(opts.get("format", "auto")), split=str(opts.get("split", "train")),
+                          streaming=bool(opts.get("streaming", False)), encoding=str(opts.get("encoding", "utf-8")),
+                          reader=str(opts.get("reader", "auto")), weight=float(opts.get("weight", 1.0)),
+                          max=None if opts.get("max") is None else int(opts["max"]))
+        if spec.format not in FORMATS:
+            raise UserInputError(f"{w}.format={spec.format!r} is not valid; choices: {', '.join(FORMATS)}")
+        if spec.reader not in READERS:
+            raise UserInputError(f"{w}.reader={spec.reader!r} is not valid; choices: {', '.join(READERS)}")
+        if not spec.weight > 0:
+            raise UserInputError(f"{w}.weight={spec.weight!r} must be > 0")
+        if spec.max is not None and spec.max < 1:
+            raise UserInputError(f"{w}.max={spec.max!r} must be >= 1 or null")
+        specs.append(spec)
+    return specs
+
+
+def _is_saved_dataset(p: Path) -> bool:
+    return p.is_dir() and any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def _datasets_rows(spec: SourceSpec) -> Iterator[dict]:
+    import datasets
+
+    p = Path(spec.path)
+    try:
+        if _is_saved_dataset(p):
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                if spec.split not in ds:
+                    raise UserInputError(f"data.path={spec.path!r}: no split {spec.split!r} (has {sorted(ds)}); set data.split")
+                ds = ds[spec.split]
+            if spec.streaming:
+                ds = ds.to_iterable_dataset()
+        elif p.is_file():
+            builder = _BUILDERS.get(p.suffix.lower())
+            if builder is None:
+                raise UserInputError(f"data.path={spec.path!r}: unsupported file type {p.suffix!r} "
+                                     f"(supported: {', '.join(sorted(_BUILDERS))}, or a saved dataset directory)")
+            ds = datasets.load_dataset(builder, data_files=str(p), split="train", streaming=spec.streaming)
+        else:
+            if spec.path.startswith((".", "/", "~")) and not p.exists():
+                raise UserInputError(f"data.path={spec.path!r}: no such file or directory")
+            ds = datasets.load_dataset(spec.path, split=spec.split, streaming=spec.streaming)
+    except UserInputError:
+        raise
+    except Exception as exc:  # datasets raises many types (DatasetNotFoundError, ValueError, OSError, ...)
+        if p.is_dir():
+            raise UserInputError(f"data.path={spec.path!r}: data files not found in this directory (neither a saved "
+                                 f"dataset nor files datasets can load: {str(exc).splitlines()[0] if str(exc) else ''})"
+                                 ) from exc
+        raise UserInputError(f"data.path={spec.path!r}: datasets could not load it "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    for row in ds:
+        spec.stats.records += 1
+        yield row
+    spec.stats.finished = True
+
+
+def iter_source(spec: SourceSpec) -> Iterator[Conversation]:
+    """Stream the normalised conversations of one source; counts go to ``spec.stats``.
+
+    Raises:
+        UserInputError: the file / directory / dataset does not exist or cannot be loaded, or
+            ``data.encoding`` is unknown (the message names the source).
+    """
+    use_tolerant = spec.reader == "tolerant" or (
+        spec.reader == "auto" and (spec.path is None or (Path(spec.path).is_file()
+                                                         and Path(spec.path).suffix.lower() in (".json", ".jsonl"))))
+    if use_tolerant:
+        try:
+            import codecs
+
+            codecs.lookup(spec.encoding)
+        except LookupError:
+            raise UserInputError(f"data.encoding={spec.encoding!r} is not a known text encoding") from None
+        try:
+            with resolve_path(spec.path) as p:
+                yield from normalize_records(iter_records(p, spec.stats, spec.encoding), spec.stats, spec.format)
+        except FileNotFoundError as exc:
+            raise UserInputError(str(exc)) from None
+    else:
+        if spec.path is None:
+            raise UserInputError("data.reader=datasets needs data.path")
+        yield from normalize_records(_datasets_rows(spec), spec.stats, spec.format)
+
+
+def mix(specs: list[SourceSpec]) -> Iterator[tuple[int, Conversation]]:
+    """Interleave the sources' conversations deterministically (module doc); yield ``(source index, conversation)``."""
+    iters = [iter_source(s) for s in specs]
+    live = [True] * len(specs)
+    while True:
+        best = None
+        for k, s in enumerate(specs):
+            if not live[k] or (s.max is not None and s.taken >= s.max):
+                continue
+            key = (s.taken + 1) / s.weight
+            if best is None or key < best[0]:
+                best = (key, k)
+        if best is None:
+            return
+        k = best[1]
+        conv = next(iters[k], None)
+        if conv is None:
+            live[k] = False
+            continue
+        specs[k].taken += 1
+        yield k, conv
+
+
+def warn_replacements(specs: list[SourceSpec]) -> None:
+    """Warn once per source whose bytes were not valid in its ``data.encoding``."""
+    for s in specs:
+        if s.stats.replaced_bytes:
+            log.warning("%s: %d bytes are not valid %s and were decoded as U+FFFD (%d records affected); "
+                        "set data.encoding to the file's encoding (e.g. data.encoding=cp1252)",
+                        s.name, s.stats.replaced_bytes, s.encoding, s.stats.replaced_records)

@@ -1,0 +1,119 @@
+"""Sources through ``datasets`` (parquet, arrow, saved directories, json), the messages format, mixtures,
+root-id splitting and fail-fast reading (issue 15)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from core.config import UserInputError, compose
+from data_prep.front import read_split, split_of
+from data_prep.split import root_id
+
+
+def _sharegpt(i, prefix="s"):
+    return {"id": f"{prefix}{i}", "conversations": [{"from": "human", "value": f"question {i}"},
+                                                    {"from": "gpt", "value": f"answer {i}"}]}
+
+
+def _messages(i, prefix="m"):
+    return {"id": f"{prefix}{i}", "messages": [{"role": "user", "content": f"question {i}"},
+                                              {"role": "assistant", "content": f"answer {i}"}]}
+
+
+def _data_cfg(*extra):
+    return compose(["data.max_conversations=null", "data.heldout_fraction=0.0", *extra]).data
+
+
+def _ids(data):
+    return [c.id for c in data.train + data.val]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """The same 6 records (one bad) in every on-disk form."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("sources")
+    rows = [_messages(i) for i in range(5)] + [{"id": "bad", "messages": [{"role": "user", "content": "no reply"}]}]
+    ds = datasets.Dataset.from_list(rows)
+    out = {"parquet": root / "d.parquet", "arrow_dir": root / "saved", "jsonl": root / "d.jsonl",
+           "dict_dir": root / "saved_dict"}
+    ds.to_parquet(str(out["parquet"]))
+    ds.save_to_disk(str(out["arrow_dir"]))
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(2))}).save_to_disk(str(out["dict_dir"]))
+    out["jsonl"].write_text("\n".join(json.dumps(r) for r in rows))
+    out["arrow"] = next(Path(out["arrow_dir"]).glob("*.arrow"))
+    out["data_dir"] = root / "data_dir"  # a plain data directory: load_dataset(path), the hub-id code path
+    out["data_dir"].mkdir()
+    ds.to_parquet(str(out["data_dir"] / "train-00000.parquet"))
+    return out
+
+
+@pytest.mark.parametrize("kind,extra", [("parquet", []), ("arrow_dir", []), ("arrow", []), ("jsonl", []), ("data_dir", []),
+                                        ("jsonl", ["data.reader=datasets"]), ("parquet", ["data.streaming=true"]),
+                                        ("dict_dir", ["data.split=test"])])
+def test_every_format_reads_the_same_conversations_with_the_same_counts(written, kind, extra):
+    data = read_split(_data_cfg(f"data.path={written[kind]}", *extra))
+    want = ["m0", "m1"] if "data.split=test" in extra else [f"m{i}" for i in range(5)]
+    assert _ids(data) == want
+    assert data.train[0].messages == [{"role": "user", "content": "question 0"}, {"role": "assistant", "content": "answer 0"}]
+    if "data.split=test" not in extra:
+        assert data.stats.records == 6 and data.stats.dropped == {"no_assistant_turn": 1}
+        assert data.stats.examples["no_assistant_turn"]["id"] == "bad"
+
+
+def test_format_is_enforced_when_given(written):
+    with pytest.raises(UserInputError, match="no usable conversation in .*missing_conversations"):
+        read_split(_data_cfg(f"data.path={written['parquet']}", "data.format=sharegpt"))
+
+
+def test_mixture_is_deterministic_weighted_capped_and_recorded(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.json"
+    a.write_text("\n".join(json.dumps(_sharegpt(i, "a")) for i in range(10)))
+    b.write_text(json.dumps([_messages(i, "b") for i in range(10)]))
+    cfg = _data_cfg(f"data.sources=[{{path: {a}, weight: 2}}, {{path: {b}, max: 3}}]", "data.max_conversations=8")
+    data = read_split(cfg)
+    # smooth weighted round robin: next from the source with the smallest (taken + 1) / weight
+    assert _ids(data) == ["a0", "a1", "b0", "a2", "a3", "b1", "a4", "a5"]
+    assert _ids(read_split(cfg)) == _ids(data)
+    assert [s.describe()["conversations"] for s in data.sources] == [6, 2]
+    capped = read_split(_data_cfg(f"data.sources=[{{path: {a}, weight: 2}}, {{path: {b}, max: 3}}]"))
+    assert _ids(capped).count("a9") == 1 and [c.id for c in capped.train if c.id.startswith("b")] == ["b0", "b1", "b2"]
+
+
+def test_a_source_without_usable_conversations_is_named(tmp_path):
+    a, bad = tmp_path / "a.jsonl", tmp_path / "bad.jsonl"
+    a.write_text(json.dumps(_sharegpt(0)))
+    bad.write_text(json.dumps({"id": "x1", "conversations": [{"from": "robot", "value": "q"}]}))
+    with pytest.raises(UserInputError, match=r"bad\.jsonl.*unknown_role.*'x1'.*unknown role 'robot'"):
+        read_split(_data_cfg(f"data.sources=[{{path: {a}}}, {{path: {bad}}}]"))
+    with pytest.raises(UserInputError, match="nope.parquet"):
+        read_split(_data_cfg(f"data.path={tmp_path / 'nope.parquet'}"))
+
+
+def test_heldout_split_keeps_the_parts_of_one_conversation_together():
+    assert root_id("QWJhYvA_0") == "QWJhYvA" and root_id("abc_12") == "abc" and root_id("record-3") == "record-3"
+    cfg_root = _data_cfg("data.heldout_fraction=0.3")
+    cfg_id = _data_cfg("data.heldout_fraction=0.3", "data.split_key=id")
+    roots = [f"conv{i}" for i in range(60)]
+    by_root = {r: {split_of(f"{r}_{k}", cfg_root) for k in range(4)} for r in roots}
+    assert all(len(s) == 1 for s in by_root.values())
+    assert {s.pop() for s in by_root.values()} == {"train", "val"}
+    # keyed by the full id (the old behaviour), parts of one conversation land on both sides
+    assert any(len({split_of(f"{r}_{k}", cfg_id) for k in range(4)}) == 2 for r in roots)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow_dir"])
+def test_python_m_data_prep_runs_on_a_parquet_file_or_a_saved_dataset(written, kind, tiny_model_dir, tmp_path):
+    from data_prep.__main__ import main
+    from data_prep.cache import CacheReader
+
+    summary = main([f"model.path={tiny_model_dir}", "model.dtype=float32", f"data.path={written[kind]}",
+                    "data.heldout_fraction=0.3", "labels=teacher_forced", "prep.progress=false",
+                    f"output_root={tmp_path / 'out'}"])
+    assert summary["complete"] and summary["conversations"] == 5 and summary["dropped"] == {"no_assistant_turn": 1}
+    readers = [CacheReader(Path(summary["cache_dir"]) / split) for split in ("train", "val")]
+    assert sorted(r[i]["id"] for r in readers for i in range(len(r))) == [f"m{i}" for i in range(5)]
+    assert readers[0].manifest["data_sources"][0]["path"] == str(written[kind])
