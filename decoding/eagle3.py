@@ -85,8 +85,17 @@ class Eagle3Drafter:
         self.tokens.extend(int(x) for x in tokens.tolist())
         self.feats = torch.cat([self.feats, hidden.detach().to(self.feats.device, self.feats.dtype)], dim=0)
 
-    def _topk(self, h: torch.Tensor):
-        """h [K, H] → (log-probs [K, k], target ids [K, k]) on the CPU."""
+    def _topk(self, h: torch.Tensor, nodes: list[int]):
+        """Top-``topk`` of the next-token distribution of each expanded node.
+
+        Args:
+            h: [K, H] the expanded slots' outputs.  nodes: the K node ids (0 = root); their token
+                paths are in ``self._node_tok`` / ``self._parents`` (a seam for reference
+                distributions in tests; unused here).
+
+        Returns:
+            ``(log-probs [K, k], target ids [K, k])`` on the CPU.
+        """
         lp = torch.log_softmax(self.head.draft_logits(h), dim=-1)
         vals, idx = lp.topk(min(self.topk, lp.shape[-1]), dim=-1)
         return vals.cpu(), self.head.draft_to_target[idx].cpu()
@@ -114,9 +123,10 @@ class Eagle3Drafter:
         passes = 1
         # node tables (node 0 = root)
         node_tok, parents, scores, depth_of = [int(root_token)], [-1], [0.0], [0]
+        self._node_tok, self._parents = node_tok, parents
         producer: list[torch.Tensor | None] = [None]  # pre-norm output that produced the node's distribution
         slot_of: dict[int, int] = {}
-        vals, ids = self._topk(out[-1:])
+        vals, ids = self._topk(out[-1:], [0])
         frontier = []
         for r in range(vals.shape[1]):
             node_tok.append(int(ids[0, r])); parents.append(0); scores.append(float(vals[0, r])); depth_of.append(1)
@@ -139,7 +149,7 @@ class Eagle3Drafter:
             p = torch.full((1, K), n - 1 + d, dtype=torch.long, device=dev)
             o = head.forward_cached(feats, t, p, additive_mask(vis, dtype)[None, None], self.cache)[0]
             passes += 1
-            vals, ids = self._topk(o)
+            vals, ids = self._topk(o, chosen)
             frontier = []
             for b, u in enumerate(chosen):
                 for r in range(vals.shape[1]):
