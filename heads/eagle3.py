@@ -26,7 +26,7 @@ x_{t+2} (the base's greedy label at position t+1), as EAGLE-1/Falcon k = 1 do.
   feeds every slot its own step-(i−1) output h (pre-norm, the ``hidden_states_out`` of
   ``Model.forward``) with the data token x_{t+1+i} at RoPE position t+i, and is scored against
   the base's prediction at position t+1+i.  Attention at step i (the EAGLE-3 mask,
-  :func:`ttt_visibility`): query (i, t) sees the step-0 keys at positions s ≤ t (true features)
+  :func:`losses.ttt.ttt_visibility`): query (i, t) sees the step-0 keys at positions s ≤ t (true features)
   and the keys of steps 1..i at the same slot t (its own chain), exactly what a depth-(i+1)
   draft token sees at decoding time.  It is computed as EAGLE's ``LlamaAttention.forward`` does:
   one causal score matrix against step 0 plus one diagonal score per later step (O(T² + S·T)
@@ -46,7 +46,8 @@ from torch import nn
 
 from heads.base import DraftHead, Progress
 from heads.registry import register
-from losses.eagle3 import TARGETS, shift_left, ttt_loss, ttt_step_masks
+from losses.eagle3 import TARGETS, ttt_loss, ttt_step_masks
+from losses.ttt import shift_left
 
 DEFAULTS: dict[str, Any] = {
     "layers": None,
@@ -129,31 +130,6 @@ def check_eagle3_config(c: dict[str, Any], num_layers: int | None = None, vocab_
             bad(f"decoding.{key}", f"must be an int >= 1, got {v!r}")
 
 
-def ttt_visibility(length: int, step: int, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """The EAGLE-3 training-time-test attention mask of step ``step`` as a dense bool matrix.
-
-    Keys are ordered [step 0 slots 0..T−1 | step 1 slots | ... | step ``step`` slots].  Query
-    (step i, slot t) sees key (step 0, slot s) iff s ≤ t (and s is not padding), and key
-    (step j, slot s) for 1 ≤ j ≤ i iff s = t (EAGLE ``LlamaAttention.forward``: causal scores
-    against ``cache_k[0]`` plus one diagonal score per later cache entry).
-
-    Args:
-        length: T.  step: i ≥ 0.  valid: optional [B, T] bool (False = padding key).
-
-    Returns:
-        bool [T, (i+1)·T], or [B, T, (i+1)·T] with ``valid`` (True = visible).
-    """
-    dev = None if valid is None else valid.device
-    t = torch.arange(length, device=dev)
-    first = t[None, :] <= t[:, None]  # [T, T]
-    if valid is not None:
-        first = first[None] & valid.bool()[:, None, :]
-    diag = torch.eye(length, dtype=torch.bool, device=dev)
-    if valid is not None:
-        diag = diag[None].expand(valid.shape[0], -1, -1)
-    return torch.cat([first] + [diag] * step, dim=-1)
-
-
 class Eagle3Attention(nn.Module):
     """Self-attention whose q/k/v read the 2H input [embedding ; feature] (EAGLE ``LlamaAttention``).
 
@@ -193,7 +169,7 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def forward_ttt(self, x, cos, sin, past: list[tuple[torch.Tensor, torch.Tensor]], first_visible: torch.Tensor):
-        """One TTT step, vectorised over slots (the EAGLE-3 mask of :func:`ttt_visibility`).
+        """One TTT step, vectorised over slots (the EAGLE-3 mask of :func:`losses.ttt.ttt_visibility`).
 
         Args:
             x: [B,T,2H].  cos, sin: RoPE tables of this step's positions.
@@ -366,7 +342,7 @@ class Eagle3Head(DraftHead):
             steps: S (default ``heads.ttt_steps``).
 
         Step i: slot t reads (h^(i−1)_t, or g_t at i = 0) and the token x_{t+1+i} (0 past the end)
-        at RoPE position t+i; attention per :func:`ttt_visibility`.
+        at RoPE position t+i; attention per :func:`losses.ttt.ttt_visibility`.
         """
         S = self.ttt_steps if steps is None else int(steps)
         B, T = ids.shape

@@ -2,8 +2,6 @@
 
 Pure functions on tensors:
 
-* :func:`shift_left` — x[:, t+n] at t (the ``padding(·, left=False)`` of EAGLE's ``cnets.py``,
-  applied n times);
 * :func:`ttt_step_masks` — the loss positions of every TTT step;
 * :func:`ttt_loss` — L = Σ_i decay^i · CE_i (``ploss_weight = [0.8**i ...]`` in
   ``traineagle3/main.py``), each CE_i a masked mean over step i's positions.
@@ -13,16 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from losses.ttt import shift_left
+
 TARGETS = ("soft", "greedy")
-
-
-def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """y[:, t] = x[:, t+n] for t < T−n, ``fill`` after: x [B, T, ...] → same shape and dtype."""
-    out = torch.full_like(x, fill)
-    T = x.shape[1]
-    if n < T:
-        out[:, : T - n] = x[:, n:]
-    return out
 
 
 def ttt_step_masks(loss_mask: torch.Tensor, steps: int, in_draft_vocab: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -67,7 +67,7 @@ def _soft_ce(head, h, hidden_next):
 # -- mask ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("step", [0, 1, 3])
 def test_ttt_visibility_matches_brute_force(step):
-    from heads.eagle3 import ttt_visibility
+    from losses.ttt import ttt_visibility
 
     T = 6
     valid = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
@@ -84,7 +84,7 @@ def test_ttt_visibility_matches_brute_force(step):
 def test_ttt_attention_equals_dense_attention_under_the_mask(tiny_base):
     """The vectorised TTT attention (causal step-0 scores + diagonals) = softmax over all steps'
     keys with :func:`ttt_visibility`, at step 2, with padding and grouped-query heads."""
-    from heads.eagle3 import ttt_visibility
+    from losses.ttt import ttt_visibility
 
     head = _head(tiny_base[0])
     attn = head.midlayer.self_attn
@@ -126,7 +126,7 @@ def test_ttt_one_step_equals_single_step_loss(tiny_base):
             if batch["loss_mask"][b, t + 1]:
                 ces.append(_soft_ce(head, out[t], batch["hidden"][b, t + 1]))
     assert metrics["loss_tokens"] == len(ces)
-    assert float(loss) == pytest.approx(sum(ces) / len(ces), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(sum(ces) / len(ces), rel=1e-5)
     three = _head(base, ttt_steps=3)
     three.load_state_dict(head.state_dict())
     assert three.training_loss(batch, Progress())[1]["loss_step0"] == pytest.approx(float(loss), rel=1e-5)
@@ -315,3 +315,48 @@ def test_train_reload_and_decode(tiny_base, tiny_model_dir, tmp_path):
     with pytest.raises(UserInputError, match=r"prep.layers=\[1, 2, 3\]"):
         train(compose(args2), base=tiny_base)
     assert not (tmp_path / "runs" / "eagle3" / "f").exists()
+
+
+# -- the same unrolling offered to Falcon k = 1 ------------------------------------------------------
+def test_falcon_k1_ttt_equals_hand_unrolled_reference(tiny_base):
+    """heads=falcon_k1 heads.ttt_steps=2: L0 + 0.8·L1, where step 1 of slot t is a causal forward
+    over the true slots 0..t plus (f̂_t, x_{t+2}) at position t+1, scored against f_{t+2}."""
+    import heads
+    from heads import Progress
+    from heads.falcon import additive_mask
+    from losses.falcon import falcon_loss
+
+    base = tiny_base[0]
+    cfg = {"type": "falcon", "block_size": 1, "glancing": {"enabled": False}, "noise": {"type": "none"}}
+    head = heads.build({**cfg, "ttt_steps": 2}, base)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "self_attn" in name or name.startswith("fc."):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    one = heads.build({**cfg, "ttt_steps": 1}, base)
+    one.load_state_dict(head.state_dict())
+    lengths = [9, 6]
+    batch = _batch(base, lengths)
+    loss, metrics = head.training_loss(batch, Progress())
+    assert metrics["loss_step0"] == pytest.approx(float(one.training_loss(batch, Progress())[0]), rel=1e-5)
+
+    def causal(feats, toks):
+        n = toks.numel()
+        vis = additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), torch.float32)
+        return head(feats[None], toks[None], torch.arange(n)[None], vis[None, None])[0]
+
+    preds, tgts = [], []
+    for b, n in enumerate(lengths):
+        ids, f = batch["input_ids"][b, :n], batch["hidden"][b, :n]
+        h0 = causal(f, torch.cat([ids[1:], ids[:1]]))
+        for t in range(n - 2):
+            if batch["loss_mask"][b, t + 2]:
+                h1 = causal(torch.cat([f[: t + 1], h0[t][None]]), torch.cat([ids[1: t + 2], ids[t + 2: t + 3]]))[-1]
+                preds.append(h1); tgts.append(f[t + 2])
+    P, Tg = torch.stack(preds), torch.stack(tgts)
+    L1, _ = falcon_loss(P, Tg, head.logits_fp32(P), head.logits_fp32(Tg), torch.ones(len(preds), dtype=torch.bool))
+    assert metrics["loss_step1"] == pytest.approx(float(L1), rel=1e-5)
+    assert float(loss) == pytest.approx(metrics["loss_step0"] + 0.8 * float(L1), rel=1e-5)
+    with pytest.raises(ValueError, match="heads.ttt_steps"):
+        heads.build({"type": "falcon", "ttt_steps": 2}, base)  # k = 2 with glancing
