@@ -474,9 +474,16 @@ class Eagle3Head(DraftHead):
         values; every other kwarg is ignored.
 
         Raises:
-            ValueError: a bad override (names the key).
+            ValueError: a bad override (names the key), or ``base_model`` has fewer layers than the
+                head's feature layers need (a head trained for another base).
         """
         from decoding.eagle3 import Eagle3Drafter
+
+        if base_model is not None:
+            L = int(base_model.config.num_hidden_layers)
+            if max(self.layers) > L - 1:
+                raise ValueError(f"the eagle3 head reads hs{self.layers} but the base model has {L} layers "
+                                 "(was it trained for another base?)")
 
         dec = dict(self.cfg["decoding"])
         over = kwargs.get("decoding") or {}

@@ -360,3 +360,11 @@ def test_falcon_k1_ttt_equals_hand_unrolled_reference(tiny_base):
     assert float(loss) == pytest.approx(metrics["loss_step0"] + 0.8 * float(L1), rel=1e-5)
     with pytest.raises(ValueError, match="heads.ttt_steps"):
         heads.build({"type": "falcon", "ttt_steps": 2}, base)  # k = 2 with glancing
+
+
+def test_drafter_refuses_a_shallower_base(tiny_base):
+    from core.tiny import tiny_llama
+
+    head = _head(tiny_base[0])
+    with pytest.raises(ValueError, match="trained for another base"):
+        head.make_drafter(tiny_llama(num_layers=3))
