@@ -20,10 +20,11 @@ With tokens x_0..x_n (x_n = the root, the bonus token) and true features f_0..f_
 3. *Reranking*: the ``total_tokens`` draft nodes with the highest cumulative score (ties: smaller
    depth; ancestor-closed since scores fall along a path) form the tree
    (``DraftTree.from_parents(max_nodes=total_tokens + 1)``).
-4. The KV of expansion slots is dropped; the true slots 0..n−1 stay cached (slot n−1 holds
-   the root, which is final).
+4. The KV of expansion slots and of slot n−1 (which holds the root) is dropped: the cache keeps
+   only slots built from committed tokens and features (0..n−2), so ``draft`` may be called again
+   with another root; slot n−1 is recomputed with the next context pass.
 
-Draft ids map to target ids through the head's ``d2t``.  One step costs ``depth`` drafter
+Draft indices map to base token ids through the head's ``draft_ids``.  One step costs ``depth`` drafter
 forwards (the context pass plus depth−1 expansions).
 """
 from __future__ import annotations
@@ -119,7 +120,6 @@ class Eagle3Drafter:
         vis = torch.arange(n, device=dev)[None, :] <= pos[:, None]
         out = head.forward_cached(head.fuse(self.feats[c:n])[None], toks[None], pos[None],
                                   additive_mask(vis, dtype)[None, None], self.cache)[0]
-        self.kv_len = n
         passes = 1
         # node tables (node 0 = root)
         node_tok, parents, scores, depth_of = [int(root_token)], [-1], [0.0], [0]
@@ -155,7 +155,8 @@ class Eagle3Drafter:
                 for r in range(vals.shape[1]):
                     node_tok.append(int(ids[b, r])); parents.append(u); scores.append(scores[u] + float(vals[b, r]))
                     depth_of.append(d + 1); producer.append(o[b]); frontier.append(len(node_tok) - 1)
-        self.cache.crop(n)
+        self.cache.crop(n - 1)
+        self.kv_len = n - 1
         self.last_passes = passes
         return DraftTree.from_parents(node_tok, parents, scores=scores, max_nodes=self.total_tokens + 1,
                                       drafter_passes=passes)

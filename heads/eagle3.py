@@ -17,10 +17,11 @@ x_{t+2} (the base's greedy label at position t+1), as EAGLE-1/Falcon k = 1 do.
   (``get_eagle3_aux_hidden_state_layers``) capture before running layer ℓ, i.e. hs[ℓ].  The
   cache supplies them (``prep.layers``); the decoding runtime asks the base for them through the
   drafter's ``feature_layers``.
-* **Draft vocabulary**: ``d2t`` [N] long offsets, target id = d + d2t[d] (EAGLE-3 ``scandata``,
-  SGLang/vLLM ``d2t``); the LM head holds the base LM head's rows at those target ids at
-  initialisation and is trainable.  ``heads.draft_vocab_size: null`` = the full vocabulary
-  (d2t = 0); a reduced vocabulary needs the draft-vocabulary module of issue 13 (not on main yet).
+* **Draft vocabulary**: ``draft_ids`` [N] long, the base token id of every draft index (absolute,
+  strictly increasing; the engines' ``d2t`` offsets draft_ids[d] − d are written by
+  :mod:`heads.export`, EAGLE-3 ``scandata``); the LM head holds the base LM head's rows at those
+  ids at initialisation and is trainable.  ``heads.draft_vocab_size: null`` = the full vocabulary
+  (draft_ids = arange(V)); a reduced vocabulary needs the draft-vocabulary module of issue 13 (not on main yet).
 * **Training-time test** (TTT, ``heads.ttt_steps`` S, default 7 as ``Model.length = 7``;
   ``heads.ttt_decay`` 0.8 as ``ploss_weight = 0.8**i`` in ``traineagle3/main.py``): step i
   feeds every slot its own step-(i−1) output h (pre-norm, the ``hidden_states_out`` of
@@ -243,8 +244,8 @@ class Eagle3Head(DraftHead):
     ``total_tokens``: :class:`decoding.eagle3.Eagle3Drafter`).
 
     Trainable: ``fc`` [H, 3H], ``midlayer.*``, ``norm`` [H], ``draft_lm_head`` [N, H] (initialised from
-    the base LM head's rows ``d2t``-mapped, on :meth:`attach_base` of a freshly built head).
-    Buffer ``d2t`` [N] long (saved).
+    the base LM head's rows at ``draft_ids``, on :meth:`attach_base` of a freshly built head).
+    Buffer ``draft_ids`` [N] long (saved).
 
     Raises:
         ValueError: a bad config value (the message names the key), incl. layer ids outside the
@@ -278,7 +279,7 @@ class Eagle3Head(DraftHead):
         self.norm = LlamaRMSNorm(H, eps=float(getattr(base_config, "rms_norm_eps", 1e-6)))
         self.draft_lm_head = nn.Linear(H, self.draft_vocab_size, bias=False)  # not `lm_head`: DraftHead.lm_head is the frozen base head
         self.rotary_emb = LlamaRotaryEmbedding(layer_cfg)
-        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("draft_ids", torch.arange(self.draft_vocab_size, dtype=torch.long))
         std = float(getattr(base_config, "initializer_range", 0.02))
         for module in (self.fc, self.midlayer):
             for sub in module.modules():
@@ -306,8 +307,8 @@ class Eagle3Head(DraftHead):
 
     @property
     def draft_to_target(self) -> torch.Tensor:
-        """Target token id of every draft id: arange(N) + d2t, LongTensor [N]."""
-        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+        """Base (target) token id of every draft index, LongTensor [N] (the ``draft_ids`` buffer)."""
+        return self.draft_ids
 
     def attach_base(self, base_model) -> None:
         """Borrow the frozen embedding/norm/LM head; a freshly built head copies the base LM head's
@@ -390,22 +391,32 @@ class Eagle3Head(DraftHead):
                            f"(missing {missing}); prepare the cache with prep.layers={self.layers}")
         return torch.cat([aux[l].to(self.compute_dtype) for l in self.layers], dim=-1)
 
-    def _targets(self, batch: dict[str, Any], masks: list[torch.Tensor]):
-        """Per step i: target logits rows (soft) or draft ids (greedy) at positions t+1+i where mask_i."""
+    def _targets(self, batch: dict[str, Any], used: torch.Tensor, masks: list[torch.Tensor]):
+        """Per step i: (soft target logits [M_i, N] or draft ids [M_i], greedy labels [M_i]).
+
+        The base's logits at a position are the same for every step that scores it, so W·f is
+        computed once for the positions ``used`` ([B, T] bool, the targets any step reads) and
+        step i gathers the rows of positions t+1+i (saves S−1 of S teacher LM-head products).
+        """
         labels = batch["labels"]
+        d2t = self.draft_to_target.to(labels.device)
         t2d = torch.full((self.vocab_size,), -1, dtype=torch.long, device=labels.device)
-        t2d[self.draft_to_target.to(labels.device)] = torch.arange(self.draft_vocab_size, device=labels.device)
+        t2d[d2t] = torch.arange(self.draft_vocab_size, device=labels.device)
+        soft = self.cfg["loss"]["target"] == "soft"
+        if soft:
+            row = torch.full(used.shape, -1, dtype=torch.long, device=used.device)
+            row[used] = torch.arange(int(used.sum()), device=used.device)
+            hid = batch["hidden"][used]
+            with torch.autocast(device_type=hid.device.type, enabled=False):
+                teacher = (hid.float() @ self.lm_head_weight.float().T).index_select(-1, d2t.to(hid.device))
         out = []
         for i, m in enumerate(masks):
             lab = shift_left(labels, 1 + i, 0)[m]
-            if self.cfg["loss"]["target"] == "soft":
-                hid = shift_left(batch["hidden"], 1 + i, 0)[m]
-                with torch.autocast(device_type=hid.device.type, enabled=False):
-                    tl = hid.float() @ self.lm_head_weight.float().T
-                out.append((tl[:, self.draft_to_target.to(tl.device)], lab))
+            if soft:
+                out.append((teacher.index_select(0, shift_left(row, 1 + i, -1)[m]), lab))
             else:
                 out.append((t2d[lab], lab))
-        return out, t2d
+        return out
 
     def _run(self, batch: dict[str, Any]):
         ids = batch["input_ids"]
@@ -415,10 +426,10 @@ class Eagle3Head(DraftHead):
         labels = batch["labels"]
         in_vocab = torch.zeros(self.vocab_size, dtype=torch.bool, device=labels.device)
         in_vocab[self.draft_to_target.to(labels.device)] = True
+        used = lm & in_vocab[labels]
         masks = ttt_step_masks(lm, len(steps), in_draft_vocab=in_vocab[labels])
         logits = [self.draft_logits(h[m]) for h, m in zip(steps, masks)]
-        targets, _ = self._targets(batch, masks)
-        return steps, masks, logits, targets
+        return steps, masks, logits, self._targets(batch, used, masks)
 
     # -- training ----------------------------------------------------------------------------------
     def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:

@@ -130,10 +130,11 @@ def check_base(meta: dict[str, Any], base: str | None) -> None:
 
 def _eagle3_weights(meta, state, prefix: str) -> dict[str, torch.Tensor]:
     V = int(meta["base"]["vocab_size"])
-    d2t = state["d2t"].long()
-    N = d2t.numel()
+    ids = state["draft_ids"].long()  # absolute base ids per draft index
+    N = ids.numel()
+    d2t = ids - torch.arange(N)  # the engines' offsets: target id = d + d2t[d]
     t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[torch.arange(N) + d2t] = True
+    t2d[ids] = True
     out = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
            "lm_head.weight": state["draft_lm_head.weight"], "d2t": d2t, "t2d": t2d}
     for k, v in state.items():

@@ -368,3 +368,50 @@ def test_drafter_refuses_a_shallower_base(tiny_base):
     head = _head(tiny_base[0])
     with pytest.raises(ValueError, match="trained for another base"):
         head.make_drafter(tiny_llama(num_layers=3))
+
+
+def test_drafted_tree_matches_fresh_forwards(tiny_base):
+    """Every expanded node's children are the top-k of a fresh, uncached causal forward over the true
+    slots plus the node's chain (its ancestors' slots), with matching cumulative log-probabilities —
+    also after steps that reuse the drafter's KV cache."""
+    from decoding.speculative import SpeculativeDecoder
+
+    base, tok, _ = tiny_base
+    head = _head(base).eval()
+    drafter = head.make_drafter(base, decoding={"depth": 3, "topk": 3, "total_tokens": 1000})
+    trees = []
+    orig = drafter.draft
+
+    def spy(root):
+        t = orig(root)
+        trees.append((list(drafter.tokens), drafter.feats.clone(), t))
+        return t
+
+    drafter.draft = spy
+    SpeculativeDecoder(base, drafter, []).generate(torch.randint(3, 300, (7,), generator=torch.Generator().manual_seed(2)), 12)
+    assert len(trees) >= 2
+    for tokens, feats, tree in trees[:3]:
+        n = len(tokens)
+        g = head.fuse(feats)
+        toks = torch.tensor(tokens[1:] + [int(tree.tokens[0])])
+        with torch.no_grad():
+            h_root = _causal(head, g, toks)[-1]
+
+            def h_of(node):  # fresh output of the slot expanding `node`: slot of v_k = (output that produced v_k, v_k)
+                feats_, toks_, prev = [], [], h_root
+                for v in tree.path(node)[1:]:
+                    feats_.append(prev)
+                    toks_.append(int(tree.tokens[v]))
+                    prev = _causal(head, torch.cat([g, torch.stack(feats_)]), torch.cat([toks, torch.tensor(toks_)]))[-1]
+                return prev
+
+            for i in range(tree.num_nodes):
+                kids = tree.children(i)
+                if not kids:
+                    continue
+                lp = torch.log_softmax(head.draft_logits(h_of(i)), -1)
+                vals, ids = lp.topk(3)
+                assert sorted(int(tree.tokens[c]) for c in kids) == sorted(ids.tolist())
+                for c in kids:
+                    want = (float(tree.scores[i]) if i else 0.0) + float(lp[int(tree.tokens[c])])
+                    assert float(tree.scores[c]) == pytest.approx(want, abs=1e-4)

@@ -90,7 +90,7 @@ def read_eagle3(out, base, ids, engine):
     h = h + _mlp(_rms(h, W[pfx + "post_attention_layernorm.weight"], eps), W, pfx + "mlp.")
     logits = _rms(h, W["norm.weight"], eps) @ W["lm_head.weight"].T
     full = torch.full((ids.numel(), V), float("-inf"))
-    full[:, torch.arange(N) + W["d2t"]] = logits
+    full[:, torch.arange(N) + W["d2t"]] = logits  # engines: target id = d + d2t[d]
     assert bool(W["t2d"][torch.arange(N) + W["d2t"]].all()) and int(W["t2d"].sum()) == N
     return full
 
@@ -231,3 +231,51 @@ def test_export_errors(tiny_base, tmp_path, tiny_model_dir):
     (tmp_path / "full" / "f").write_text("x")
     assert main([str(e3), "--format", "vllm", str(tmp_path / "full")]) == 2
     assert main([str(tmp_path / "nope"), "--format", "vllm", str(tmp_path / "y")]) == 2
+
+
+def _restrict(head, ids):
+    """Give a built head a reduced draft vocabulary by hand (the config route waits for issue 13)."""
+    with torch.no_grad():
+        head.draft_vocab_size = ids.numel()
+        head.draft_ids = ids.clone()
+        head.draft_lm_head = torch.nn.Linear(head.hidden_size, ids.numel(), bias=False)
+        head.draft_lm_head.weight.copy_(head.lm_head_weight[ids] * 5.0)
+    head.cfg["draft_vocab_size"] = ids.numel()
+    return head
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_reduced_draft_vocabulary_export_uses_offsets(tiny_base, tmp_path, engine):
+    """d2t in the exports is the engines' offset (target = d + d2t[d]); draft logits land on the
+    same base ids as draftheads' own mapping."""
+    import heads
+    from heads.export import export
+
+    base, _, identity = tiny_base
+    ids = torch.sort(torch.randperm(base.config.vocab_size, generator=torch.Generator().manual_seed(8))[:57]).values
+    head = _restrict(heads.build({"type": "eagle3", "layers": LAYERS}, base), ids)
+    _sharpen(head)
+    out = export(_save(head, base, tmp_path / "ckpt", identity), engine, tmp_path / "out")
+    W = load_file(out / "model.safetensors")
+    assert torch.equal(W["d2t"], ids - torch.arange(57)) and int(W["t2d"].sum()) == 57
+    tok = torch.randint(3, 300, (8,), generator=torch.Generator().manual_seed(4))
+    got, want = read_eagle3(out, base, tok, engine), _draftheads_eagle3(head, base, tok)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    torch.testing.assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], rtol=1e-4, atol=1e-4)
+
+
+def test_reduced_draft_vocabulary_decodes_losslessly(tiny_base):
+    import heads
+    from decoding.speculative import SpeculativeDecoder
+    from decoding.vanilla import greedy_generate
+
+    base, tok, _ = tiny_base
+    ids = torch.arange(3, 300, 2)
+    head = _restrict(heads.build({"type": "eagle3", "layers": LAYERS}, base), ids).eval()
+    drafter = head.make_drafter(base, decoding={"depth": 4, "topk": 3, "total_tokens": 12})
+    prompt = torch.randint(3, 300, (6,), generator=torch.Generator().manual_seed(1))
+    ref, _ = greedy_generate(base, prompt, 20, [tok.eos_token_id])
+    out, _ = SpeculativeDecoder(base, drafter, [tok.eos_token_id]).generate(prompt, 20)
+    assert out == ref
+    tree = drafter.draft(int(ref[-1]))  # drafting again from the final state: every draft token is a draft-vocabulary id
+    assert set(tree.tokens[1:].tolist()) <= set(ids.tolist())
