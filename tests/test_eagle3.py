@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 LAYERS = [1, 2, 3]  # the tiny base has 4 layers: hs[1..3] are its intermediate states
 
+from test_decoding_bookkeeping import bases64, varied  # noqa: E402,F401  (fp64 tiny bases, shared fixtures)
+
 
 def _head(base, **cfg):
     """An eagle3 head whose fc/attention weights are large enough (std 0.3, not the 0.02 init) that
@@ -415,3 +417,29 @@ def test_drafted_tree_matches_fresh_forwards(tiny_base):
                 for c in kids:
                     want = (float(tree.scores[i]) if i else 0.0) + float(lp[int(tree.tokens[c])])
                     assert float(tree.scores[c]) == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("base_kind", ["default_init", "init0.3"])
+def test_cached_drafter_equals_fresh_drafter_every_step(bases64, base_kind):
+    """Issue 12's rule for eagle3: the tree from the drafter's cached state equals a fresh drafter's
+    tree started on the committed context, at every step (fp64)."""
+    from omegaconf import OmegaConf
+
+    import heads
+    from decoding.speculative import SpeculativeDecoder
+    from decoding.vanilla import greedy_generate
+    from test_decoding_bookkeeping import ROOT, FreshCheck, _prompt, _same
+
+    base = bases64[base_kind]
+    torch.manual_seed(0)
+    cfg = OmegaConf.load(ROOT / "configs" / "heads" / "eagle3.yaml")
+    cfg.layers = LAYERS
+    head = heads.build(cfg, base).double().eval()
+    small = {"depth": 4, "topk": 4, "total_tokens": 20}
+    wrapped = FreshCheck(head.make_drafter(base, decoding=small), lambda: head.make_drafter(base, decoding=small))
+    wrapped.feature_layers = head.feature_layers  # the wrapper must ask the runtime for the same features
+    ref, _ = greedy_generate(base, _prompt(1), 40)
+    out, stats = SpeculativeDecoder(base, wrapped).generate(_prompt(1), 40)
+    assert out == ref
+    bad = [n for n, cached, fresh in wrapped.pairs if not _same(cached, fresh)]
+    assert not bad and len(wrapped.pairs) == stats["steps"] >= 10
