@@ -116,8 +116,8 @@ class SpeculativeDecoder:
                     stats[key].append(0)
 
         t0 = time.perf_counter()
-        layers = getattr(drafter, "feature_layers", None)
-        cache, root, hidden = prefill(self.base_model, prompt_ids, layers=layers)
+        layers = getattr(drafter, "feature_layers", None)  # passed only when set: verify_tree/prefill keep their plain signature otherwise
+        cache, root, hidden = prefill(self.base_model, prompt_ids, **({"layers": layers} if layers else {}))
         out = [root]
         td = time.perf_counter()
         if hasattr(drafter, "reset"):
@@ -140,7 +140,7 @@ class SpeculativeDecoder:
                 max_depth = min(max_depth, limit - 1 - past)
             tree = trim_tree(tree, max_depth)
             tv = time.perf_counter()
-            res = verify_tree(self.base_model, cache, tree, layers=layers)
+            res = verify_tree(self.base_model, cache, tree, **({"layers": layers} if layers else {}))
             stats["verify_seconds"] += time.perf_counter() - tv
             stats["base_forwards"] += 1
             stats["steps"] += 1
