@@ -45,6 +45,8 @@ class Drafter(Protocol):
     - ``accept(tokens [A+1] long, hidden [A+1, H])``: the root and accepted draft tokens, now in
       the base cache, with their hs[-1] features.
     - optional ``reset()``: called before ``start`` for every prompt.
+    - optional ``feature_layers``: list of hidden-state ids; ``hidden`` in ``start``/``accept`` is
+      then [hs[ℓ] for ℓ in feature_layers] concatenated ([n, len·H]) instead of hs[-1].
     """
 
     def start(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None: ...
@@ -114,7 +116,8 @@ class SpeculativeDecoder:
                     stats[key].append(0)
 
         t0 = time.perf_counter()
-        cache, root, hidden = prefill(self.base_model, prompt_ids)
+        layers = getattr(drafter, "feature_layers", None)  # passed only when set: verify_tree/prefill keep their plain signature otherwise
+        cache, root, hidden = prefill(self.base_model, prompt_ids, **({"layers": layers} if layers else {}))
         out = [root]
         td = time.perf_counter()
         if hasattr(drafter, "reset"):
@@ -137,7 +140,7 @@ class SpeculativeDecoder:
                 max_depth = min(max_depth, limit - 1 - past)
             tree = trim_tree(tree, max_depth)
             tv = time.perf_counter()
-            res = verify_tree(self.base_model, cache, tree)
+            res = verify_tree(self.base_model, cache, tree, **({"layers": layers} if layers else {}))
             stats["verify_seconds"] += time.perf_counter() - tv
             stats["base_forwards"] += 1
             stats["steps"] += 1

@@ -10,6 +10,11 @@ sequence axis of every layer), so it equals the cache sequential decoding would 
 The base model is any HF causal LM whose forward takes ``cache=`` (transformers 5), a ready
 4-D additive ``attention_mask`` and ``position_ids``, and whose ``hidden_states[-1]`` is the final
 post-norm hidden state (docs/design.md "Hidden-state convention").
+
+``layers`` (optional everywhere): hidden-state ids ℓ of the HF ``hidden_states`` tuple; the
+returned "hidden" is then the concatenation [hs[ℓ_1] ; hs[ℓ_2] ; ...] ([n, len(layers)·H]) instead
+of hs[-1].  A drafter that reads intermediate layers (EAGLE-3) declares them as its
+``feature_layers`` and :class:`decoding.speculative.SpeculativeDecoder` passes them here.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ def model_device(base_model) -> torch.device:
 
 @torch.no_grad()
 def base_forward(base_model, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 attention_mask: torch.Tensor | None = None, layers=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One cached base forward of a single sequence.
 
     Args:
@@ -41,23 +46,27 @@ def base_forward(base_model, input_ids: torch.Tensor, cache, position_ids: torch
         cache: the ``DynamicCache``; grows by n positions.
         position_ids: LongTensor [1, n] or None (consecutive after the cache).
         attention_mask: None (causal) or a ready 4-D additive mask [1, 1, n, P+n].
+        layers: optional hidden-state ids (module docstring).
 
     Returns:
-        ``(logits [n, V], hidden [n, H])`` where hidden is the final post-norm hs[-1], both in
-        the model's dtype.
+        ``(logits [n, V], hidden)`` where hidden is the final post-norm hs[-1] [n, H], or
+        [hs[ℓ] for ℓ in layers] concatenated [n, len(layers)·H]; both in the model's dtype.
     """
     ids = input_ids.reshape(1, -1).to(model_device(base_model))
     out = base_model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                      use_cache=True, output_hidden_states=True)
+    if layers:
+        return out.logits[0], torch.cat([out.hidden_states[int(l)][0] for l in layers], dim=-1)
     return out.logits[0], out.hidden_states[-1][0]
 
 
 @torch.no_grad()
-def prefill(base_model, prompt_ids: torch.Tensor):
+def prefill(base_model, prompt_ids: torch.Tensor, layers=None):
     """Run the prompt through the base model.
 
     Args:
         prompt_ids: LongTensor [T] (T >= 1).
+        layers: optional hidden-state ids (module docstring).
 
     Returns:
         ``(cache, first_token, hidden)``: the ``DynamicCache`` holding T positions, the greedy
@@ -70,7 +79,7 @@ def prefill(base_model, prompt_ids: torch.Tensor):
     if prompt_ids.numel() == 0:
         raise ValueError("empty prompt: need at least one token")
     cache = new_cache(base_model)
-    logits, hidden = base_forward(base_model, prompt_ids, cache)
+    logits, hidden = base_forward(base_model, prompt_ids, cache, layers=layers)
     return cache, int(logits[-1].argmax()), hidden
 
 
@@ -158,13 +167,14 @@ def greedy_accept(tree: DraftTree, predictions: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def verify_tree(base_model, cache, tree: DraftTree) -> VerifyResult:
+def verify_tree(base_model, cache, tree: DraftTree, layers=None) -> VerifyResult:
     """Verify ``tree`` with one base forward and keep only the accepted path in ``cache``.
 
     Args:
         base_model: the frozen HF causal LM.
         cache: its ``DynamicCache`` with P positions (everything before the root).
         tree: the draft tree; ``tree.tokens[0]`` is the last emitted token.
+        layers: optional hidden-state ids for ``VerifyResult.hidden`` (module docstring).
 
     Returns:
         A :class:`VerifyResult`.  Afterwards the cache holds P + A + 1 positions.
@@ -173,7 +183,7 @@ def verify_tree(base_model, cache, tree: DraftTree) -> VerifyResult:
     past = cache.get_seq_length()
     mask = tree.attention_mask(past, dtype=base_model.dtype, device=device)
     pos = tree.position_ids(past, device=device)
-    logits, hidden = base_forward(base_model, tree.tokens, cache, position_ids=pos, attention_mask=mask)
+    logits, hidden = base_forward(base_model, tree.tokens, cache, position_ids=pos, attention_mask=mask, layers=layers)
     preds = logits.argmax(-1).tolist()
     accepted = greedy_accept(tree, preds)
     idx = torch.tensor(accepted, dtype=torch.long)

@@ -41,6 +41,8 @@ DEFAULTS: dict[str, Any] = {
     "loss": {"alpha": 0.9, "omega": 0.1, "beta": 1.0},
     "glancing": {"enabled": True, "schedule": "linear", "unit": "step", "scale": 0.4, "offset": 0.0,
                  "glanced_in_loss": False},
+    "ttt_steps": 1,
+    "ttt_decay": 0.8,
     "decoding": {"passes": 4, "tree": {"node_children": None, "depth_children": [4, 2, 2, 1], "paths": None}},
 }
 
@@ -78,6 +80,14 @@ def check_falcon_config(c: dict[str, Any]) -> None:
     glancing_ratio(g, Progress())  # raises on unknown schedule / unit
     if not isinstance(g["glanced_in_loss"], bool):
         bad("glancing.glanced_in_loss", f"must be true or false, got {g['glanced_in_loss']!r}")
+    steps = c["ttt_steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        bad("ttt_steps", f"must be an int >= 1 (1 = the paper's single-step training), got {steps!r}")
+    if steps > 1 and (c["block_size"] != 1 or g["enabled"]):
+        bad("ttt_steps", f"training-time test ({steps} steps) is offered for block_size=1 without glancing "
+                         "(heads=falcon_k1) only")
+    if not 0.0 < float(c["ttt_decay"]) <= 1.0:
+        bad("ttt_decay", f"must lie in (0, 1], got {c['ttt_decay']!r}")
     if not isinstance(c["decoding"]["passes"], int) or c["decoding"]["passes"] < 1:
         bad("decoding.passes", f"must be an int >= 1, got {c['decoding']['passes']!r}")
 
@@ -113,7 +123,8 @@ class FalconHead(DraftHead):
     (``type`` uniform|length_scaled|none, ``scale``), ``loss`` (``alpha``, ``omega``, ``beta``),
     ``glancing`` (``enabled``, ``schedule``, ``unit``, ``scale``, ``offset``, ``glanced_in_loss``; see
     :func:`losses.falcon.glancing_ratio`), ``decoding`` (``passes`` m, ``tree``; see
-    :mod:`decoding.falcon`).
+    :mod:`decoding.falcon`), ``ttt_steps`` / ``ttt_decay`` (k = 1 only: EAGLE-3's training-time
+    test on Falcon's loss, :meth:`ttt_training_loss`; default 1 = the paper's recipe).
 
     Raises:
         ValueError: a bad config value (the message names the key).
@@ -273,6 +284,8 @@ class FalconHead(DraftHead):
         the loss, as the official code does); pass B with grad.  Noise goes on F_in before
         glancing (replaced slots get the clean ground truth).
         """
+        if int(self.cfg["ttt_steps"]) > 1:
+            return self.ttt_training_loss(batch)
         inp = self.prepare_inputs(batch)
         valid, mask = inp["valid"], inp["mask"]
         F_in = self._noise(inp["F_in"], valid) if self.training else inp["F_in"]
@@ -306,6 +319,52 @@ class FalconHead(DraftHead):
                         "glanced_tokens": float(glanced), "loss_tokens": float(mask.sum()),
                         "oov_rate": float((inp["mask"] & ~inp["in_vocab"]).sum()) / max(int(inp["mask"].sum()), 1)})
         return loss, metrics
+
+    def ttt_training_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Falcon k = 1 trained with EAGLE-3's training-time test (``heads.ttt_steps`` S > 1).
+
+        Step 0 is the ordinary single-step pass (noise on the true features f_t).  Step i feeds
+        slot t its own step-(i−1) prediction f̂ (which estimates f_{t+i}) with the token
+        x_{t+1+i} at RoPE position t+i, under the EAGLE-3 mask (:func:`losses.ttt.ttt_visibility`:
+        the true-feature slots s ≤ t and the slot's own earlier steps; the keys of earlier steps
+        come from a :class:`decoding.falcon.DraftKVCache`), and is scored by
+        :func:`losses.falcon.falcon_loss` against f_{t+1+i} where m_{t+i}.  Loss = Σ_i
+        ``ttt_decay``^i · L_i (arXiv 2503.01840 §3.2; EAGLE ``traineagle3``: 0.8^i).  Labelled
+        as an option so an ablation can separate TTT from EAGLE-3's architecture; validation
+        (``sim_tau``) stays the single-step teacher-forced pass.
+        """
+        from decoding.falcon import DraftKVCache
+        from losses.ttt import shift_left, ttt_visibility
+
+        inp = self.prepare_inputs(batch)
+        valid, mask = inp["valid"], inp["mask"]
+        feats = self._noise(inp["F_in"], valid) if self.training else inp["F_in"]
+        B, T = mask.shape
+        L = self.cfg["loss"]
+        decay = float(self.cfg["ttt_decay"])
+        cache = DraftKVCache()
+        total = feats.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        for i in range(int(self.cfg["ttt_steps"])):
+            pos = (torch.arange(T, device=mask.device) + i)[None].expand(B, T)
+            vis = additive_mask(ttt_visibility(T, i, valid)[:, None], self.compute_dtype)
+            pred = self.forward(feats, shift_left(inp["X_in"], i, 0), pos, vis, cache=cache)
+            m = shift_left(mask, i, False)
+            tgt = shift_left(inp["F_tgt"], i, 0)
+            sel_p, sel_t = pred[m], tgt[m]
+            student, teacher = self.logits_fp32(sel_p), self.logits_fp32(sel_t)
+            loss_i, parts = falcon_loss(sel_p, sel_t, student, teacher, torch.ones(sel_p.shape[0], dtype=torch.bool, device=m.device),
+                                        alpha=float(L["alpha"]), omega=float(L["omega"]), beta=float(L["beta"]))
+            total = total + (decay ** i) * loss_i + 0.0 * pred.sum()
+            hit = (student.argmax(-1) == teacher.argmax(-1)).float()
+            metrics[f"loss_step{i}"] = float(loss_i.detach())
+            metrics[f"acc_step{i}"] = float(hit.mean()) if hit.numel() else 0.0
+            if i == 0:
+                metrics.update(loss_reg=float(parts["reg"]), kl=float(parts["kl"]), ce=float(parts["ce"]),
+                               acc=metrics["acc_step0"], loss_tokens=float(m.sum()))
+            feats = pred
+        metrics["loss"] = float(total.detach())
+        return total, metrics
 
     # -- validation ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,8 +1,9 @@
 """Registry of draft-head classes, and the checkpoint format.
 
-A head module registers its class with ``@register``; :data:`HEAD_MODULES` lists the modules
-imported on first use, so adding a head is: one file under ``heads/``, one line here, and one
-``configs/heads/<name>.yaml``.
+A head module registers its class with ``@register``.  Every module of the ``heads`` package
+except :data:`NON_HEAD_MODULES` is imported on first use (:func:`head_modules`), so adding a head
+is one file under ``heads/`` (plus its loss under ``losses/``, its drafter under ``decoding/``
+and ``configs/heads/<name>.yaml``) with nothing to register by hand.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Any
 
 from core.io import atomic_save_safetensors, atomic_write_json
 
-HEAD_MODULES = ("heads.ctc", "heads.falcon", "heads.adadecode")
+#: modules of the ``heads`` package that define no head (never imported by the registry scan)
+NON_HEAD_MODULES = ("base", "registry", "export")
 HEADS: dict[str, type] = {}
 FORMAT_VERSION = 1
 
@@ -28,8 +30,19 @@ def register(cls):
     return cls
 
 
+def head_modules() -> list[str]:
+    """Dotted names of the head modules: every ``heads.<name>`` module not in :data:`NON_HEAD_MODULES`
+    and not starting with ``_``, sorted."""
+    import pkgutil
+
+    import heads
+
+    return sorted(f"heads.{m.name}" for m in pkgutil.iter_modules(heads.__path__)
+                  if not m.name.startswith("_") and m.name not in NON_HEAD_MODULES)
+
+
 def _import_heads() -> None:
-    for mod in HEAD_MODULES:
+    for mod in head_modules():
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as exc:

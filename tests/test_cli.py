@@ -12,7 +12,7 @@ def test_help_lists_groups_and_options_and_exits_zero(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("python -m something: does a thing")
-    assert "heads: adadecode, ctc, falcon, falcon_k1, falcon_noglance  (default: ctc)" in out
+    assert "heads: adadecode, ctc, eagle3, falcon, falcon_k1, falcon_noglance  (default: ctc)" in out
     assert "strategy: auto, ddp, deepspeed_zero1, deepspeed_zero2, deepspeed_zero3" in out
     assert usage() in out
 

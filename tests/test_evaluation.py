@@ -189,6 +189,7 @@ def test_missing_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path, prompts_f
 
 @pytest.mark.parametrize("head,overrides", [
     ("ctc", []), ("falcon", []), ("falcon_k1", []), ("adadecode", ["heads.layers=[1,2]"]),
+    ("eagle3", ["heads.layers=[1,2,3]", "eval.decoding={depth: 3, topk: 3}"]),
 ])
 def test_untrained_registered_heads_keep_parity(tiny_base, tiny_model_dir, tmp_path, prompts_file, head, overrides):
     """End to end through heads.save / heads.load / make_drafter: every shipped head is lossless."""

@@ -1,0 +1,162 @@
+"""EAGLE-3 drafting with an EAGLE-2 dynamic tree (arXiv 2406.16858 §4; EAGLE ``cnets.py``
+``Model.topK_genrate``).
+
+The :class:`Eagle3Drafter` implements the ``decoding.speculative.Drafter`` protocol.  It asks the
+runtime for the base's hidden states hs[ℓ] at the head's three feature layers through its
+``feature_layers`` attribute (``start``/``accept`` then receive them concatenated, [n, 3H]).
+
+With tokens x_0..x_n (x_n = the root, the bonus token) and true features f_0..f_{n−1}:
+
+1. *Context pass*: the slots s = c..n−1, each (fc(f_s), x_{s+1}) at RoPE position s, run
+   causally against the drafter's KV cache of slots 0..c−1 (c = slots cached by earlier steps).
+   The output at slot n−1 gives the depth-1 distribution; its top-``topk`` tokens are the
+   depth-1 nodes, scored by their log-probability.
+2. *Expansion* (EAGLE-2): for depth d = 1..depth−1, the ``topk`` depth-d nodes with the highest
+   cumulative log-probability are expanded in one forward: node u becomes a slot (h_parent(u),
+   token(u)) at position n−1+d, where h_parent(u) is the pre-norm output of the slot that
+   produced u's distribution (EAGLE-3 feeds its own hidden state forward, no fc); it sees the
+   true slots 0..n−1, its ancestors' slots and itself.  Each yields ``topk`` children
+   (cumulative score = parent score + log p).
+3. *Reranking*: the ``total_tokens`` draft nodes with the highest cumulative score (ties: smaller
+   depth; ancestor-closed since scores fall along a path) form the tree
+   (``DraftTree.from_parents(max_nodes=total_tokens + 1)``).
+4. The KV of expansion slots and of slot n−1 (which holds the root) is dropped: the cache keeps
+   only slots built from committed tokens and features (0..n−2), so ``draft`` may be called again
+   with another root; slot n−1 is recomputed with the next context pass.
+
+Draft indices map to base token ids through the head's ``draft_ids``.  One step costs ``depth`` drafter
+forwards (the context pass plus depth−1 expansions).
+"""
+from __future__ import annotations
+
+import torch
+
+from decoding.falcon import DraftKVCache
+from heads.falcon import additive_mask
+
+
+class Eagle3Drafter:
+    """EAGLE-3 tree drafter (module docstring).
+
+    Args:
+        head: a :class:`heads.eagle3.Eagle3Head` with the base attached.
+        depth: maximum draft depth (≥ 1); EAGLE's ``depth=7`` expansion steps ≙ depth 8 here.
+        topk: children per expanded node and nodes expanded per depth (EAGLE's ``top_k``).
+        total_tokens: draft nodes kept after reranking (EAGLE's ``total_token``, root excluded).
+
+    Raises:
+        ValueError: a parameter < 1.
+    """
+
+    def __init__(self, head, depth: int = 8, topk: int = 10, total_tokens: int = 60) -> None:
+        for name, v in (("depth", depth), ("topk", topk), ("total_tokens", total_tokens)):
+            if int(v) < 1:
+                raise ValueError(f"eagle3 decoding.{name} must be >= 1, got {v}")
+        self.head = head.eval()
+        self.depth, self.topk, self.total_tokens = int(depth), int(topk), int(total_tokens)
+        self.feature_layers = list(head.feature_layers)
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[int] = []
+        self.feats: torch.Tensor | None = None
+        self.cache = DraftKVCache()
+        self.kv_len = 0
+        self.last_passes = 0
+
+    @property
+    def _device(self) -> torch.device:
+        return self.head.fc.weight.device
+
+    def start(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """After prefill: prompt_ids [T] long, hidden [T, 3H] (hs at the feature layers, concatenated)."""
+        prompt_ids = torch.as_tensor(prompt_ids).reshape(-1)
+        if hidden.dim() != 2 or hidden.shape[0] != prompt_ids.numel() or hidden.shape[1] != 3 * self.head.hidden_size:
+            raise ValueError(f"start: hidden {tuple(hidden.shape)} is not [{prompt_ids.numel()}, 3·{self.head.hidden_size}] "
+                             f"(the runtime must pass hs{self.feature_layers})")
+        self.reset()
+        self.tokens = [int(x) for x in prompt_ids.tolist()]
+        self.feats = hidden.detach().to(self._device, self.head.compute_dtype)
+
+    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """After verification: tokens [A+1] (root + accepted), hidden [A+1, 3H]."""
+        tokens = torch.as_tensor(tokens).reshape(-1)
+        if hidden.shape[0] != tokens.numel():
+            raise ValueError(f"accept: {tokens.numel()} tokens but hidden {tuple(hidden.shape)}")
+        self.tokens.extend(int(x) for x in tokens.tolist())
+        self.feats = torch.cat([self.feats, hidden.detach().to(self.feats.device, self.feats.dtype)], dim=0)
+
+    def _topk(self, h: torch.Tensor, nodes: list[int]):
+        """Top-``topk`` of the next-token distribution of each expanded node.
+
+        Args:
+            h: [K, H] the expanded slots' outputs.  nodes: the K node ids (0 = root); their token
+                paths are in ``self._node_tok`` / ``self._parents`` (a seam for reference
+                distributions in tests; unused here).
+
+        Returns:
+            ``(log-probs [K, k], target ids [K, k])`` on the CPU.
+        """
+        lp = torch.log_softmax(self.head.draft_logits(h), dim=-1)
+        vals, idx = lp.topk(min(self.topk, lp.shape[-1]), dim=-1)
+        return vals.cpu(), self.head.draft_to_target[idx].cpu()
+
+    @torch.no_grad()
+    def draft(self, root_token: int):
+        """A dynamic :class:`decoding.tree.DraftTree` rooted at ``root_token`` (= x_n)."""
+        from decoding.tree import DraftTree
+
+        if self.feats is None:
+            raise RuntimeError("Eagle3Drafter.draft called before start()")
+        head = self.head
+        n = len(self.tokens)
+        if self.feats.shape[0] != n:
+            raise RuntimeError(f"drafter state out of sync: {n} tokens, {self.feats.shape[0]} features")
+        dev, dtype = self._device, head.compute_dtype
+        c = min(self.kv_len, n)
+        self.cache.crop(c)
+        toks = torch.tensor(self.tokens[c + 1:] + [int(root_token)], dtype=torch.long, device=dev)
+        pos = torch.arange(c, n, device=dev)
+        vis = torch.arange(n, device=dev)[None, :] <= pos[:, None]
+        out = head.forward_cached(head.fuse(self.feats[c:n])[None], toks[None], pos[None],
+                                  additive_mask(vis, dtype)[None, None], self.cache)[0]
+        passes = 1
+        # node tables (node 0 = root)
+        node_tok, parents, scores, depth_of = [int(root_token)], [-1], [0.0], [0]
+        self._node_tok, self._parents = node_tok, parents
+        producer: list[torch.Tensor | None] = [None]  # pre-norm output that produced the node's distribution
+        slot_of: dict[int, int] = {}
+        vals, ids = self._topk(out[-1:], [0])
+        frontier = []
+        for r in range(vals.shape[1]):
+            node_tok.append(int(ids[0, r])); parents.append(0); scores.append(float(vals[0, r])); depth_of.append(1)
+            producer.append(out[-1]); frontier.append(len(node_tok) - 1)
+        for d in range(1, self.depth):
+            chosen = sorted(frontier, key=lambda u: (-scores[u], u))[: self.topk]
+            K = len(chosen)
+            base_len = self.cache.get_seq_length()
+            vis = torch.zeros(K, base_len + K, dtype=torch.bool, device=dev)
+            vis[:, :n] = True
+            for b, u in enumerate(chosen):
+                a = parents[u]
+                while a > 0:
+                    vis[b, slot_of[a]] = True
+                    a = parents[a]
+                vis[b, base_len + b] = True
+                slot_of[u] = base_len + b
+            feats = torch.stack([producer[u] for u in chosen])[None]
+            t = torch.tensor([node_tok[u] for u in chosen], dtype=torch.long, device=dev)[None]
+            p = torch.full((1, K), n - 1 + d, dtype=torch.long, device=dev)
+            o = head.forward_cached(feats, t, p, additive_mask(vis, dtype)[None, None], self.cache)[0]
+            passes += 1
+            vals, ids = self._topk(o, chosen)
+            frontier = []
+            for b, u in enumerate(chosen):
+                for r in range(vals.shape[1]):
+                    node_tok.append(int(ids[b, r])); parents.append(u); scores.append(scores[u] + float(vals[b, r]))
+                    depth_of.append(d + 1); producer.append(o[b]); frontier.append(len(node_tok) - 1)
+        self.cache.crop(n - 1)
+        self.kv_len = n - 1
+        self.last_passes = passes
+        return DraftTree.from_parents(node_tok, parents, scores=scores, max_nodes=self.total_tokens + 1,
+                                      drafter_passes=passes)

@@ -1,0 +1,255 @@
+"""Export a trained head to the layouts serving engines load.
+
+``python -m heads.export CKPT --format sglang|vllm|eagle1 OUT [--base MODEL_PATH]``
+
+Reads only ``CKPT/config.json`` and ``CKPT/model.safetensors`` (written by :func:`heads.save`)
+and writes ``OUT/config.json`` + ``OUT/model.safetensors`` atomically (a temporary directory
+renamed into place; an existing non-empty ``OUT`` is refused).  Weights are written in fp32.
+No engine runs here; the key schemas below are taken from the engines' loader files (read, not
+imported), and ``tests/test_eagle3_export.py`` rebuilds each drafter from the exported files
+alone and reproduces draftheads' draft logits.
+
+Formats
+-------
+``sglang`` (EAGLE-3 head) — SGLang ``python/sglang/srt/models/llama_eagle3.py``
+(``LlamaForCausalLMEagle3``, ``LlamaModel``, ``load_weights``):
+    config: ``architectures: [LlamaForCausalLMEagle3]``, the Llama layer dims, ``num_hidden_layers:
+    1``, ``vocab_size`` V, ``draft_vocab_size`` N, ``target_hidden_size`` H (fc input = 3·H),
+    ``bias: false`` (SGLang builds ``fc`` with ``bias=getattr(config, "bias", False)``),
+    ``tie_word_embeddings: false``, and ``eagle_config.eagle_aux_hidden_state_layer_ids`` =
+    [ℓ−1 for the head's hs ids ℓ] (SGLang's ``set_eagle3_layers_to_capture`` adds 1: an id names a
+    layer's *output*).  Weights: ``midlayer.self_attn.{q,k,v,o}_proj.weight``,
+    ``midlayer.mlp.{gate,up,down}_proj.weight``, ``midlayer.{input_layernorm,hidden_norm,
+    post_attention_layernorm}.weight``, ``fc.weight`` [H, 3H], ``norm.weight``, ``lm_head.weight``
+    [N, H], ``d2t`` [N] int64 (target id = d + d2t[d]), ``t2d`` [V] bool.  No ``embed_tokens``:
+    the engine shares the target's embedding.  SGLang has no ``norm_before_residual`` switch,
+    so a head trained with it is refused for this format.
+``vllm`` (EAGLE-3 head) — vllm-project/speculators ``src/speculators/models/eagle3/config.py``
+(``Eagle3SpeculatorConfig``) as read by vLLM ``vllm/transformers_utils/configs/speculators/algos.py``
+(``update_eagle3``) and ``vllm/model_executor/models/llama_eagle3.py`` (``load_weights``):
+    config: ``speculators_model_type: eagle3``, ``architectures: [Eagle3Speculator]``,
+    ``transformer_layer_config`` (a Llama config, 1 layer, vocab V), ``draft_vocab_size``,
+    ``target_hidden_size``, ``norm_before_residual`` (always written: vLLM defaults a missing one
+    to **true**, EAGLE-3's layer is false), ``eagle_aux_hidden_state_layer_ids`` = the hs ids ℓ
+    (vLLM captures the input of layer ℓ), ``speculators_config`` {``algorithm``,
+    ``proposal_methods`` [greedy, ``speculative_tokens`` = ``ttt_steps``],
+    ``default_proposal_method``, ``verifier`` {``name_or_path``, ``architectures``}}.  Weights as
+    ``sglang`` with the prefix ``layers.0.`` instead of ``midlayer.`` (vLLM maps both).
+``eagle1`` (Falcon with ``block_size: 1`` and ``fuse: linear``, i.e. ``heads=falcon_k1``) —
+SGLang ``python/sglang/srt/models/llama_eagle.py`` (``LlamaForCausalLMEagle``):
+    config: ``architectures: [LlamaForCausalLMEagle]``, the Llama dims, ``num_hidden_layers`` D,
+    ``bias: true`` written explicitly (SGLang builds ``fc = Linear(2H, H)`` with a bias; the
+    exported ``fc.bias`` must exist), ``tie_word_embeddings: false``.  Weights: ``fc.weight``
+    [H, 2H] over [Emb(x) ; f] and ``fc.bias`` [H], ``layers.{i}.*`` (HF Llama decoder keys; layer
+    0 has no ``input_layernorm``, as EAGLE's ``cnets.py`` and SGLang skip it).  No final norm and
+    no LM head: the target's LM head reads the drafter output.
+
+Other heads (Falcon k ≥ 2, LSTM fuse, CTC, AdaDecode) have no engine format: a one-line error
+names the formats that exist.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMATS = ("sglang", "vllm", "eagle1")
+_FORMAT_HEADS = "sglang, vllm (heads=eagle3); eagle1 (heads=falcon_k1: falcon with block_size=1, fuse=linear)"
+_LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
+               "rope_scaling", "attention_bias", "mlp_bias", "initializer_range")
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported in the requested format (the message says why)."""
+
+
+def _llama_dims(base_config: dict[str, Any]) -> dict[str, Any]:
+    out = {k: base_config[k] for k in _LLAMA_KEYS if base_config.get(k) is not None}
+    rp = out.get("rope_parameters")
+    if "rope_theta" not in out and isinstance(rp, dict) and "rope_theta" in rp:
+        out["rope_theta"] = rp["rope_theta"]  # engines on older transformers read rope_theta
+    out.setdefault("head_dim", int(base_config["hidden_size"]) // int(base_config["num_attention_heads"]))
+    out.setdefault("num_key_value_heads", base_config["num_attention_heads"])
+    return out
+
+
+def read_checkpoint(ckpt: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(meta, state)`` from ``config.json`` + ``model.safetensors`` (no pickle, no base model).
+
+    Raises:
+        FileNotFoundError: a file is missing.  ExportError: not a draftheads checkpoint.
+    """
+    from safetensors.torch import load_file
+
+    ckpt = Path(ckpt)
+    for name in ("config.json", "model.safetensors"):
+        if not (ckpt / name).is_file():
+            raise FileNotFoundError(f"checkpoint {ckpt} has no {name}")
+    meta = json.loads((ckpt / "config.json").read_text())
+    for key in ("head_type", "head", "base", "base_config"):
+        if key not in meta:
+            raise ExportError(f"{ckpt / 'config.json'} has no {key!r}: not a draftheads head checkpoint")
+    return meta, load_file(ckpt / "model.safetensors")
+
+
+def check_base(meta: dict[str, Any], base: str | None) -> None:
+    """Refuse an export for a base other than the one the head was trained for.
+
+    ``base``: a ``model.path`` (HF folder, hub id available offline, or ``.gguf``); None skips
+    the check.  Compared: architecture, vocab size, hidden size, layer count and, when both
+    sides have it, the GGUF sha256.
+
+    Raises:
+        ExportError: a mismatch (names the field and both values).
+    """
+    if base is None:
+        return
+    from transformers import AutoConfig
+
+    from core.base_model import resolve_model_dir
+
+    load_path, _, sha = resolve_model_dir({"path": base})
+    cfg = AutoConfig.from_pretrained(load_path, trust_remote_code=False)
+    have = {"architecture": (cfg.architectures or [type(cfg).__name__])[0], "vocab_size": int(cfg.vocab_size),
+            "hidden_size": int(cfg.hidden_size), "num_hidden_layers": int(cfg.num_hidden_layers)}
+    trained = meta["base"]
+    for key, value in have.items():
+        if key in trained and trained[key] != value:
+            raise ExportError(f"--base {base}: {key}={value!r}, but the head was trained for {trained.get('source')!r} "
+                              f"with {key}={trained[key]!r}")
+    if sha and trained.get("sha256") and sha != trained["sha256"]:
+        raise ExportError(f"--base {base}: GGUF sha256 {sha[:12]}… differs from the training base's {trained['sha256'][:12]}…")
+
+
+def _eagle3_weights(meta, state, prefix: str) -> dict[str, torch.Tensor]:
+    V = int(meta["base"]["vocab_size"])
+    ids = state["draft_ids"].long()  # absolute base ids per draft index
+    N = ids.numel()
+    d2t = ids - torch.arange(N)  # the engines' offsets: target id = d + d2t[d]
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    out = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
+           "lm_head.weight": state["draft_lm_head.weight"], "d2t": d2t, "t2d": t2d}
+    for k, v in state.items():
+        if k.startswith("midlayer."):
+            out[prefix + k[len("midlayer."):]] = v
+    return out
+
+
+def _eagle3_config(meta) -> dict[str, Any]:
+    head, bc = meta["head"], meta["base_config"]
+    N = int(head.get("draft_vocab_size") or meta["base"]["vocab_size"])
+    return {**_llama_dims(bc), "model_type": "llama", "num_hidden_layers": 1, "vocab_size": int(meta["base"]["vocab_size"]),
+            "draft_vocab_size": N, "target_hidden_size": int(bc["hidden_size"]), "tie_word_embeddings": False}
+
+
+def build_export(meta: dict[str, Any], state: dict[str, torch.Tensor], fmt: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(config, tensors)`` of format ``fmt`` for a checkpoint (module docstring).
+
+    Raises:
+        ExportError: unknown format, or the head has no such format.
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r}: formats are {', '.join(FORMATS)}")
+    head_type, head = meta["head_type"], meta["head"]
+    if fmt in ("sglang", "vllm"):
+        if head_type != "eagle3":
+            raise ExportError(f"--format {fmt} exports an eagle3 head; this checkpoint holds a {head_type!r} head "
+                              f"(formats: {_FORMAT_HEADS})")
+        layers = [int(x) for x in head["layers"]]
+        cfg = _eagle3_config(meta)
+        if fmt == "sglang":
+            if head.get("norm_before_residual"):
+                raise ExportError("--format sglang: SGLang's LlamaForCausalLMEagle3 takes the residual before "
+                                  "hidden_norm; this head was trained with norm_before_residual=true (use --format vllm)")
+            cfg.update(architectures=["LlamaForCausalLMEagle3"], bias=False,
+                       eagle_config={"eagle_aux_hidden_state_layer_ids": [l - 1 for l in layers],
+                                     "use_aux_hidden_state": True})
+            return cfg, _eagle3_weights(meta, state, "midlayer.")
+        layer_cfg = {k: v for k, v in cfg.items() if k not in ("draft_vocab_size", "target_hidden_size")}
+        layer_cfg["architectures"] = ["LlamaForCausalLM"]
+        out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+               "transformer_layer_config": layer_cfg, "draft_vocab_size": cfg["draft_vocab_size"],
+               "target_hidden_size": cfg["target_hidden_size"], "norm_before_residual": bool(head.get("norm_before_residual")),
+               "eagle_aux_hidden_state_layer_ids": layers,
+               "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                      "proposal_methods": [{"proposal_type": "greedy",
+                                                            "speculative_tokens": int(head["ttt_steps"]),
+                                                            "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                                      "verifier": {"name_or_path": meta["base"].get("source"),
+                                                   "architectures": [meta["base"].get("architecture")]}}}
+        return out, _eagle3_weights(meta, state, "layers.0.")
+    # eagle1
+    if head_type != "falcon" or int(head.get("block_size", 0)) != 1 or head.get("fuse") != "linear":
+        what = head_type if head_type != "falcon" else f"falcon (block_size={head.get('block_size')}, fuse={head.get('fuse')})"
+        raise ExportError(f"--format eagle1 exports Falcon with block_size=1 and fuse=linear; this checkpoint holds {what} "
+                          f"(formats: {_FORMAT_HEADS})")
+    if "fc.bias" not in state:
+        raise ExportError("--format eagle1: the checkpoint has no fc.bias, but the EAGLE-1 layout's fc has a bias")
+    bc = meta["base_config"]
+    cfg = {**_llama_dims(bc), "architectures": ["LlamaForCausalLMEagle"], "model_type": "llama",
+           "num_hidden_layers": int(head["num_layers"]), "vocab_size": int(meta["base"]["vocab_size"]),
+           "bias": True, "tie_word_embeddings": False}
+    tensors = {k: v for k, v in state.items() if k.startswith(("fc.", "layers."))}
+    return cfg, tensors
+
+
+def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str | None = None) -> Path:
+    """Write ``out/config.json`` and ``out/model.safetensors`` in format ``fmt`` (module docstring).
+
+    Raises:
+        FileNotFoundError / ExportError: see :func:`read_checkpoint`, :func:`check_base`,
+        :func:`build_export`; ExportError also when ``out`` exists and is not an empty directory.
+        Nothing is written before every check passed.
+    """
+    from safetensors.torch import save_file
+
+    from core.io import make_tmp_dir
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"output {out} exists and is not an empty directory")
+    meta, state = read_checkpoint(ckpt)
+    check_base(meta, base)
+    cfg, tensors = build_export(meta, state, fmt)
+    cfg["draftheads"] = {"source_checkpoint": str(Path(ckpt).resolve()), "head_type": meta["head_type"], "format": fmt}
+    tmp = make_tmp_dir(f".{out.name}.", out.parent if str(out.parent) else ".")
+    try:
+        tensors = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI; exit 0 on success, 2 with a one-line error on bad input."""
+    p = argparse.ArgumentParser(prog="python -m heads.export", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="head checkpoint dir (model.safetensors + config.json)")
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("out", help="output directory (must not exist or be empty)")
+    p.add_argument("--base", default=None, help="model.path of the serving target: refused unless it matches the training base")
+    args = p.parse_args(argv)
+    try:
+        path = export(args.checkpoint, args.format, args.out, base=args.base)
+    except (ExportError, FileNotFoundError, OSError, json.JSONDecodeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

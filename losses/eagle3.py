@@ -1,0 +1,80 @@
+"""EAGLE-3's training-time-test objective (arXiv 2503.01840 §3.2; EAGLE ``traineagle3``).
+
+Pure functions on tensors:
+
+* :func:`ttt_step_masks` — the loss positions of every TTT step;
+* :func:`ttt_loss` — L = Σ_i decay^i · CE_i (``ploss_weight = [0.8**i ...]`` in
+  ``traineagle3/main.py``), each CE_i a masked mean over step i's positions.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from losses.ttt import shift_left
+
+TARGETS = ("soft", "greedy")
+
+
+def ttt_step_masks(loss_mask: torch.Tensor, steps: int, in_draft_vocab: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Loss positions of TTT steps 0..S−1.
+
+    Step i, slot t predicts the base's token at position t+2+i from its greedy label at t+1+i;
+    it counts iff position t+1+i exists, is a loss (assistant) position and, with a reduced draft
+    vocabulary, its greedy label is a draft token (EAGLE ``position_mask = t2d[target] ·
+    loss_mask``).
+
+    Args:
+        loss_mask: [B, T] bool (False on padding).
+        steps: S ≥ 1.
+        in_draft_vocab: optional [B, T] bool, the greedy label at t is in the draft vocabulary.
+
+    Returns:
+        S bool tensors [B, T].
+
+    Raises:
+        ValueError: S < 1.
+    """
+    if steps < 1:
+        raise ValueError(f"ttt steps must be >= 1, got {steps}")
+    m = loss_mask.bool()
+    if in_draft_vocab is not None:
+        m = m & in_draft_vocab.bool()
+    return [shift_left(m, 1 + i, False) for i in range(steps)]
+
+
+def ttt_loss(step_logits: list[torch.Tensor], step_targets: list[torch.Tensor], decay: float = 0.8):
+    """Σ_i decay^i · CE_i over the TTT steps.
+
+    Args:
+        step_logits: per step [M_i, N] draft logits (any float dtype; computed in fp32).
+        step_targets: per step either [M_i, N] float target logits over the draft vocabulary
+            (soft: CE against their softmax, EAGLE ``Model.forward``'s ``target_p``) or [M_i] long
+            draft ids (greedy: CE against the label).
+        decay: the step weight base (EAGLE-3: 0.8).
+
+    Returns:
+        ``(loss, parts)``: scalar fp32 loss and a list of the per-step mean CEs (detached fp32
+        scalars).  A step with M_i = 0 contributes 0 (still connected to its logits).
+
+    Raises:
+        ValueError: mismatched list lengths or shapes.
+    """
+    if len(step_logits) != len(step_targets) or not step_logits:
+        raise ValueError(f"{len(step_logits)} step logits but {len(step_targets)} step targets")
+    total = step_logits[0].new_zeros((), dtype=torch.float32)
+    parts = []
+    for i, (lg, tg) in enumerate(zip(step_logits, step_targets)):
+        logq = F.log_softmax(lg.float(), dim=-1)
+        if tg.dtype.is_floating_point:
+            if tg.shape != lg.shape:
+                raise ValueError(f"step {i}: soft targets {tuple(tg.shape)} != logits {tuple(lg.shape)}")
+            ce = -(F.softmax(tg.float(), dim=-1) * logq).sum(-1)
+        else:
+            if tg.shape != lg.shape[:-1]:
+                raise ValueError(f"step {i}: labels {tuple(tg.shape)} do not match logits {tuple(lg.shape)}")
+            ce = -logq.gather(-1, tg.long().unsqueeze(-1)).squeeze(-1)
+        mean = ce.sum() / max(ce.shape[0], 1)
+        parts.append(mean.detach())
+        total = total + (decay ** i) * mean
+    return total, parts

@@ -1,0 +1,281 @@
+"""heads.export: independent readers rebuild each engine's drafter from the exported files alone
+(following the key schema of the engine's loader, see heads/export.py) and reproduce draftheads'
+draft logits on the tiny base.  No engine runs here."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+LAYERS = [1, 2, 3]
+EAGLE3_KEYS = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"] + [
+    f"{p}.weight" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "hidden_norm",
+                            "post_attention_layernorm")]
+
+
+# -- an independent Llama-style reader (plain torch, config values only) ----------------------------
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, pos, theta):
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
+    ang = pos[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _attn(x, W, pfx, cfg):
+    T = x.shape[0]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    q = (x @ W[pfx + "q_proj.weight"].T).view(T, nh, hd).transpose(0, 1)
+    k = (x @ W[pfx + "k_proj.weight"].T).view(T, nkv, hd).transpose(0, 1)
+    v = (x @ W[pfx + "v_proj.weight"].T).view(T, nkv, hd).transpose(0, 1)
+    pos = torch.arange(T)
+    q, k = _rope(q, pos, theta), _rope(k, pos, theta)
+    k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+    s = q @ k.transpose(-1, -2) / math.sqrt(hd)
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    return (torch.softmax(s, -1) @ v).transpose(0, 1).reshape(T, nh * hd) @ W[pfx + "o_proj.weight"].T
+
+
+def _mlp(x, W, pfx):
+    return (torch.nn.functional.silu(x @ W[pfx + "gate_proj.weight"].T) * (x @ W[pfx + "up_proj.weight"].T)) @ W[pfx + "down_proj.weight"].T
+
+
+def read_eagle3(out, base, ids, engine):
+    """Draft logits over the target vocabulary [T, V] (−inf off the draft vocabulary) from the
+    exported directory alone; the base supplies only what the engine takes from the target (token
+    embedding and the hidden states at the layers the config names)."""
+    cfg = json.loads((out / "config.json").read_text())
+    W = load_file(out / "model.safetensors")
+    if engine == "sglang":
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+        pfx = "midlayer."
+        hs_ids = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]  # SGLang adds 1
+        layer_cfg, nbr = cfg, False
+        assert cfg["bias"] is False  # SGLang: fc bias = getattr(config, "bias", False)
+    else:
+        assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+        sc = cfg["speculators_config"]
+        assert sc["proposal_methods"][0]["speculative_tokens"] >= 1 and sc["verifier"]["name_or_path"]
+        pfx = "layers.0."
+        hs_ids = cfg["eagle_aux_hidden_state_layer_ids"]  # vLLM captures the input of layer id
+        layer_cfg = cfg["transformer_layer_config"]
+        assert "norm_before_residual" in cfg  # vLLM defaults a missing flag to true
+        nbr = cfg["norm_before_residual"]
+    for key in EAGLE3_KEYS:
+        name = key if key in ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d") else pfx + key
+        assert name in W, f"missing {name}"
+    assert "fc.bias" not in W
+    N, V = cfg["draft_vocab_size"], layer_cfg["vocab_size"]
+    assert W["lm_head.weight"].shape[0] == N and W["d2t"].shape == (N,) and W["t2d"].shape == (V,)
+    assert W["fc.weight"].shape[1] == 3 * cfg["target_hidden_size"]
+    eps = layer_cfg["rms_norm_eps"]
+    with torch.no_grad():
+        o = base(input_ids=ids[None], output_hidden_states=True)
+    aux = torch.cat([o.hidden_states[i][0] for i in hs_ids], -1)
+    emb = base.get_input_embeddings().weight[ids[1:].tolist() + [ids[0].item()]]  # slot t holds x_{t+1}
+    h = aux @ W["fc.weight"].T
+    hn = _rms(h, W[pfx + "hidden_norm.weight"], eps)
+    x = torch.cat([_rms(emb, W[pfx + "input_layernorm.weight"], eps), hn], -1)
+    h = (hn if nbr else h) + _attn(x, W, pfx + "self_attn.", layer_cfg)
+    h = h + _mlp(_rms(h, W[pfx + "post_attention_layernorm.weight"], eps), W, pfx + "mlp.")
+    logits = _rms(h, W["norm.weight"], eps) @ W["lm_head.weight"].T
+    full = torch.full((ids.numel(), V), float("-inf"))
+    full[:, torch.arange(N) + W["d2t"]] = logits  # engines: target id = d + d2t[d]
+    assert bool(W["t2d"][torch.arange(N) + W["d2t"]].all()) and int(W["t2d"].sum()) == N
+    return full
+
+
+def _draftheads_eagle3(head, base, ids):
+    from decoding.falcon import DraftKVCache
+    from heads.falcon import additive_mask
+
+    with torch.no_grad():
+        o = base(input_ids=ids[None], output_hidden_states=True)
+        aux = torch.cat([o.hidden_states[l][0] for l in head.layers], -1)
+        T = ids.numel()
+        toks = torch.cat([ids[1:], ids[:1]])
+        h = head.forward_cached(head.fuse(aux)[None], toks[None], torch.arange(T)[None],
+                                additive_mask(torch.ones(T, T, dtype=torch.bool).tril(), torch.float32)[None, None],
+                                DraftKVCache())[0]
+        full = torch.full((T, head.vocab_size), float("-inf"))
+        full[:, head.draft_to_target] = head.draft_logits(h)
+    return full
+
+
+def _sharpen(head):
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(p + torch.randn(p.shape, generator=g) * 0.2)
+
+
+def _save(head, base, directory, identity):
+    import heads
+
+    heads.save(head, directory, identity.to_dict())
+    return directory
+
+
+@pytest.mark.parametrize("engine,nbr", [("sglang", False), ("vllm", False), ("vllm", True)])
+def test_eagle3_export_reproduces_draft_logits(tiny_base, tmp_path, engine, nbr):
+    import heads
+    from heads.export import export
+
+    base, _, identity = tiny_base
+    head = heads.build({"type": "eagle3", "layers": LAYERS, "norm_before_residual": nbr, "ttt_steps": 3}, base)
+    _sharpen(head)
+    ckpt = _save(head, base, tmp_path / "ckpt", identity)
+    out = export(ckpt, engine, tmp_path / "out")
+    ids = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(4))
+    got = read_eagle3(out, base, ids, engine)
+    want = _draftheads_eagle3(head, base, ids)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-4)
+
+
+def test_sglang_refuses_norm_before_residual_and_layer_ids_convention(tiny_base, tmp_path):
+    import heads
+    from heads.export import ExportError, export
+
+    base, _, identity = tiny_base
+    head = heads.build({"type": "eagle3", "layers": LAYERS, "norm_before_residual": True}, base)
+    ckpt = _save(head, base, tmp_path / "ckpt", identity)
+    with pytest.raises(ExportError, match="norm_before_residual"):
+        export(ckpt, "sglang", tmp_path / "o1")
+    assert not (tmp_path / "o1").exists()
+    head = heads.build({"type": "eagle3", "layers": LAYERS}, base)
+    ckpt = _save(head, base, tmp_path / "ckpt2", identity)
+    s = json.loads((export(ckpt, "sglang", tmp_path / "s") / "config.json").read_text())
+    v = json.loads((export(ckpt, "vllm", tmp_path / "v") / "config.json").read_text())
+    assert s["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # layer outputs
+    assert v["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # layer inputs = hs ids
+    assert v["norm_before_residual"] is False and s["draft_vocab_size"] == v["draft_vocab_size"] == base.config.vocab_size
+
+
+def read_eagle1(out, base, ids):
+    """EAGLE-1 (SGLang LlamaForCausalLMEagle) logits [T, V] from the exported directory alone."""
+    cfg = json.loads((out / "config.json").read_text())
+    W = load_file(out / "model.safetensors")
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle"]
+    assert cfg["bias"] is True and "fc.bias" in W  # the fc-bias flag matches the weights
+    D, eps = cfg["num_hidden_layers"], cfg["rms_norm_eps"]
+    for i in range(D):
+        for k in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"):
+            assert f"layers.{i}.{k}.weight" in W
+        assert (f"layers.{i}.input_layernorm.weight" in W) == (i > 0)  # layer 0 has none (EAGLE)
+    assert not any(k.startswith(("lm_head", "norm.")) for k in W)
+    with torch.no_grad():
+        o = base(input_ids=ids[None], output_hidden_states=True)
+    f = o.hidden_states[-1][0]
+    emb = base.get_input_embeddings().weight[ids[1:].tolist() + [ids[0].item()]]
+    h = torch.cat([emb, f], -1) @ W["fc.weight"].T + W["fc.bias"]
+    for i in range(D):
+        p = f"layers.{i}."
+        x = _rms(h, W[p + "input_layernorm.weight"], eps) if i > 0 else h
+        h = h + _attn(x, W, p + "self_attn.", cfg)
+        h = h + _mlp(_rms(h, W[p + "post_attention_layernorm.weight"], eps), W, p + "mlp.")
+    return h @ base.get_output_embeddings().weight.T
+
+
+def test_eagle1_export_of_falcon_k1(tiny_base, tmp_path):
+    import heads
+    from heads.export import export
+
+    base, _, identity = tiny_base
+    head = heads.build({"type": "falcon", "block_size": 1, "glancing": {"enabled": False}, "num_layers": 2}, base)
+    _sharpen(head)
+    ckpt = _save(head, base, tmp_path / "ckpt", identity)
+    out = export(ckpt, "eagle1", tmp_path / "out")
+    ids = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(6))
+    got = read_eagle1(out, base, ids)
+    with torch.no_grad():
+        o = base(input_ids=ids[None], output_hidden_states=True)
+        T = ids.numel()
+        f = head.forward_train(o.hidden_states[-1], torch.cat([ids[1:], ids[:1]])[None], torch.ones(1, T, dtype=torch.bool))
+        want = head.lm_head(f[0])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_export_errors(tiny_base, tmp_path, tiny_model_dir):
+    import heads
+    from core.tiny import save_tiny_model
+    from heads.export import ExportError, export, main
+
+    base, _, identity = tiny_base
+    k2 = _save(heads.build({"type": "falcon"}, base), base, tmp_path / "k2", identity)
+    with pytest.raises(ExportError, match=r"block_size=2.*formats: sglang, vllm"):
+        export(k2, "eagle1", tmp_path / "x")
+    with pytest.raises(ExportError, match="holds a 'falcon' head"):
+        export(k2, "sglang", tmp_path / "x")
+    e3 = _save(heads.build({"type": "eagle3", "layers": LAYERS}, base), base, tmp_path / "e3", identity)
+    with pytest.raises(ExportError, match="eagle1 exports Falcon"):
+        export(e3, "eagle1", tmp_path / "x")
+    other = save_tiny_model(tmp_path / "other", seed=0, num_layers=6)
+    with pytest.raises(ExportError, match="num_hidden_layers=6.*trained for"):
+        export(e3, "vllm", tmp_path / "x", base=str(other))
+    assert not (tmp_path / "x").exists()
+    assert export(e3, "vllm", tmp_path / "ok", base=str(tiny_model_dir)).is_dir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "f").write_text("x")
+    assert main([str(e3), "--format", "vllm", str(tmp_path / "full")]) == 2
+    assert main([str(tmp_path / "nope"), "--format", "vllm", str(tmp_path / "y")]) == 2
+
+
+def _restrict(head, ids):
+    """Give a built head a reduced draft vocabulary by hand (the config route waits for issue 13)."""
+    with torch.no_grad():
+        head.draft_vocab_size = ids.numel()
+        head.draft_ids = ids.clone()
+        head.draft_lm_head = torch.nn.Linear(head.hidden_size, ids.numel(), bias=False)
+        head.draft_lm_head.weight.copy_(head.lm_head_weight[ids] * 5.0)
+    head.cfg["draft_vocab_size"] = ids.numel()
+    return head
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_reduced_draft_vocabulary_export_uses_offsets(tiny_base, tmp_path, engine):
+    """d2t in the exports is the engines' offset (target = d + d2t[d]); draft logits land on the
+    same base ids as draftheads' own mapping."""
+    import heads
+    from heads.export import export
+
+    base, _, identity = tiny_base
+    ids = torch.sort(torch.randperm(base.config.vocab_size, generator=torch.Generator().manual_seed(8))[:57]).values
+    head = _restrict(heads.build({"type": "eagle3", "layers": LAYERS}, base), ids)
+    _sharpen(head)
+    out = export(_save(head, base, tmp_path / "ckpt", identity), engine, tmp_path / "out")
+    W = load_file(out / "model.safetensors")
+    assert torch.equal(W["d2t"], ids - torch.arange(57)) and int(W["t2d"].sum()) == 57
+    tok = torch.randint(3, 300, (8,), generator=torch.Generator().manual_seed(4))
+    got, want = read_eagle3(out, base, tok, engine), _draftheads_eagle3(head, base, tok)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    torch.testing.assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], rtol=1e-4, atol=1e-4)
+
+
+def test_reduced_draft_vocabulary_decodes_losslessly(tiny_base):
+    import heads
+    from decoding.speculative import SpeculativeDecoder
+    from decoding.vanilla import greedy_generate
+
+    base, tok, _ = tiny_base
+    ids = torch.arange(3, 300, 2)
+    head = _restrict(heads.build({"type": "eagle3", "layers": LAYERS}, base), ids).eval()
+    drafter = head.make_drafter(base, decoding={"depth": 4, "topk": 3, "total_tokens": 12})
+    prompt = torch.randint(3, 300, (6,), generator=torch.Generator().manual_seed(1))
+    ref, _ = greedy_generate(base, prompt, 20, [tok.eos_token_id])
+    out, _ = SpeculativeDecoder(base, drafter, [tok.eos_token_id]).generate(prompt, 20)
+    assert out == ref
+    tree = drafter.draft(int(ref[-1]))  # drafting again from the final state: every draft token is a draft-vocabulary id
+    assert set(tree.tokens[1:].tolist()) <= set(ids.tolist())
