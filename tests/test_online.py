@@ -312,3 +312,25 @@ def test_fp8_rows_error_bound_and_cache_roundtrip(tmp_path):
         else:
             # fp8 + one fp32 scale per row: (H + 4) / 2H of bf16's hidden bytes
             assert fp8_bytes < 0.6 * entry["bytes"]
+
+
+def test_online_auto_draft_vocab_is_the_full_vocabulary_and_explicit_n_is_refused(
+        tiny_base, tiny_model_dir, data_file, tmp_path, monkeypatch):
+    """Online training has no label counts before the base runs: ``heads.draft_vocab_size=auto``
+    (the configs' default) trains over the full vocabulary, and an explicit N is a one-line error
+    before anything is written.  AUTO_SIZE is lowered below the tiny vocabulary (V=384) so that
+    ``auto`` would otherwise ask for a subset."""
+    import heads.draft_vocab as dv
+    from train.run import train
+
+    monkeypatch.setattr(dv, "AUTO_SIZE", 64)
+    with pytest.raises(UserInputError, match="heads.draft_vocab_size"):
+        train(_train_cfg(tiny_model_dir, data_file, tmp_path / "n", "train.features=online", "heads=ctc",
+                         "heads.draft_vocab_size=64"), base=tiny_base)
+    assert not (tmp_path / "n" / "runs").exists()
+    cfg = _train_cfg(tiny_model_dir, data_file, tmp_path / "auto", "train.features=online", "heads=ctc",
+                     "train.max_steps=1")
+    assert cfg.heads.draft_vocab_size == "auto"
+    train(cfg, base=tiny_base)
+    exported = json.loads(next((tmp_path / "auto" / "runs").glob("*/bad/last/config.json")).read_text())
+    assert exported["head"]["draft_vocab_size"] is None

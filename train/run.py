@@ -17,6 +17,7 @@ runs live under ``runs/falcon_k1/``)::
 from __future__ import annotations
 
 import os
+import sys
 import shutil
 import time
 from datetime import timedelta
@@ -289,8 +290,15 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     else:
         check_resume_config(cfg, run_dir)
     try:  # a bad heads/train value is the user's to fix: one line, and no run directory left behind
-        head = heads.build(cfg.heads, model, **draft_vocab_source(cfg, datamodule, int(model.config.vocab_size)))
-        module = DraftHeadModule(cfg.heads, cfg.train, head=head, features=features)
+        head_cfg = cfg.heads
+        if online and str(head_cfg.get("draft_vocab_size")) == "auto":
+            # no label counts exist before the base has run: auto means the full vocabulary here
+            print("draftheads: train.features=%s has no label counts yet, so heads.draft_vocab_size=auto uses the full "
+                  "vocabulary (set an integer N and train from a cache to draft over a subset)" % cfg.train.features,
+                  file=sys.stderr)
+            head_cfg = OmegaConf.merge(head_cfg, {"draft_vocab_size": None})
+        head = heads.build(head_cfg, model, **draft_vocab_source(head_cfg, datamodule, int(model.config.vocab_size)))
+        module = DraftHeadModule(head_cfg, cfg.train, head=head, features=features)
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc
     if online:
@@ -332,7 +340,7 @@ def _checkpoint_step(path: str | os.PathLike) -> int:
     return int(SafetensorsCheckpointIO().load_checkpoint(path).get("global_step", 0))
 
 
-def draft_vocab_source(cfg: DictConfig, datamodule, vocab_size: int) -> dict[str, Any]:
+def draft_vocab_source(heads_cfg: DictConfig, datamodule, vocab_size: int) -> dict[str, Any]:
     """``heads.build`` keywords for the draft vocabulary: the training split's label counts
     (``<cache>/train/label_counts.safetensors``, or a scan of older caches; no base forward) and
     the cache they came from.  Empty when ``heads.draft_vocab_size`` resolves to the full
@@ -343,7 +351,7 @@ def draft_vocab_source(cfg: DictConfig, datamodule, vocab_size: int) -> dict[str
     """
     from heads.draft_vocab import check_size
 
-    if check_size(cfg.heads.get("draft_vocab_size"), vocab_size) is None:  # full vocabulary (raises on a bad N)
+    if check_size(heads_cfg.get("draft_vocab_size"), vocab_size) is None:  # full vocabulary (raises on a bad N)
         return {}
     from data_prep.label_counts import load_counts
 
@@ -353,8 +361,8 @@ def draft_vocab_source(cfg: DictConfig, datamodule, vocab_size: int) -> dict[str
         directory = Path(datamodule.cache_dir) / "train"
     if directory is None:
         raise UserInputError("heads.draft_vocab_size is set but the training data has no cache directory "
-                             "to read label counts from (train.features=online: set heads.draft_vocab_size=null, "
-                             "or train from a cache)")
+                             "to read label counts from (online/hybrid training: set heads.draft_vocab_size=null "
+                             "or auto, or train from a cache)")
     try:
         counts = load_counts(directory)
     except (FileNotFoundError, ValueError) as exc:
