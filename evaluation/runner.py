@@ -243,7 +243,10 @@ def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
     Raises:
         ValueError: a variant is not a mapping, overrides an unknown ``eval`` key or one shared by
             the whole run (:data:`SHARED_EVAL_KEYS`: prompts, lengths, dtype, device, temperature...;
-            the key and the variant index are named), or two variants share a name.
+            the key and the variant index are named), two variants share a name, or a variant's
+            merged ``eval`` section fails the checks a whole run's does (a value's type or range,
+            :func:`evaluation.config_checks.check_decoding_overrides`); the message names
+            ``eval.variants[i]``.
     """
     from omegaconf import OmegaConf, open_dict
 
@@ -287,6 +290,17 @@ def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
             c.eval.variants = None
             for k, val in v.items():
                 OmegaConf.update(c, f"eval.{k}", val, merge=False)
+        from core.config import validate
+        from evaluation.config_checks import check_decoding_overrides
+
+        try:  # the variant's eval section passes the same checks as a whole run's (ranges, per-head overrides)
+            heads_cfg = to_container(c.heads) if "heads" in c else {}
+            check_decoding_overrides({k: val for k, val in to_container(c.eval).items() if k in v},
+                                     heads_cfg.get("type"), heads_cfg, where=f"eval.variants[{i}]")
+            validate(c)
+        except ConfigError as exc:
+            msg = str(exc)
+            raise ValueError(msg if msg.startswith(f"eval.variants[{i}]") else f"eval.variants[{i}]: {msg}") from None
         out.append((name, c))
     return out
 
