@@ -572,6 +572,36 @@ class Progress:
 
 
 @torch.no_grad()
+def absolute_paths(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` whose local file paths are absolute: ``eval.checkpoint`` and every
+    ``eval.variants[i].checkpoint`` (not ``oracle`` / ``random``), ``eval.prompts``, ``model.path`` and
+    ``data.path``, each when it names an existing file or directory (a hub id stays as given).
+
+    A relative path means something only in the directory the command ran in: the saved
+    ``config.yaml`` is re-run by ``python -m evaluation.merge`` from anywhere, and the progress
+    fingerprint must not depend on how a path was spelt (``../shared/q.jsonl`` and
+    ``/work/shared/q.jsonl`` are one prompt file).  Symlinks are kept (``os.path.abspath``).
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    def fix(value):
+        if isinstance(value, str) and value not in REFERENCE_DRAFTERS and not os.path.isabs(value) \
+                and os.path.exists(value):
+            return os.path.abspath(value)
+        return value
+
+    out = cfg.copy()
+    with open_dict(out):
+        for key in ("eval.checkpoint", "eval.prompts", "model.path", "data.path"):
+            value = OmegaConf.select(out, key, default=None)
+            if value is not None:
+                OmegaConf.update(out, key, fix(value), merge=False)
+        for v in out.eval.get("variants") or []:
+            if isinstance(v, DictConfig) and v.get("checkpoint") is not None:
+                v.checkpoint = fix(v.checkpoint)
+    return out
+
+
 def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     """Run the evaluation described by ``cfg`` and write the outputs.
 
@@ -604,6 +634,7 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
             prompt + ``eval.max_new_tokens`` beyond the base's ``max_position_embeddings`` (raised
             before anything is written; :func:`decoding.vanilla.check_context_limit`).
     """
+    cfg = absolute_paths(cfg)  # config.yaml and the progress fingerprint hold no cwd-relative paths
     ev = cfg.eval
     if ev.get("threads"):
         torch.set_num_threads(int(ev.threads))
