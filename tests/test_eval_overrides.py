@@ -63,3 +63,17 @@ def test_cli_bad_override_is_one_line_exit_2_before_any_output(tmp_path, tiny_mo
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and "eval.falcon_tree" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["heads.gamma_schedule=abc"], "heads.gamma_schedule='abc' must be a list of numbers"),
+    (["heads.layer_weights=[a,b,c]"], r"heads.layer_weights=\['a', 'b', 'c'\] must be a list of numbers"),
+    (["heads.val_gammas=[a]"], r"heads.val_gammas=\['a'\] must be a list of numbers"),  # passed compose before
+    (["heads.layers=[a]"], r"heads.layers=\['a'\] must be a list of integers"),
+    (["heads.layers=[1.5]"], r"heads.layers=\[1.5\] must be a list of integers"),
+])
+def test_adadecode_list_keys_name_the_key(args, message):
+    """The same kind in the ``heads`` section: AdaDecode's list-valued keys said
+    "could not convert string to float: 'a'" (or nothing, for val_gammas) without the key."""
+    with pytest.raises(ConfigError, match=message):
+        compose(["heads=adadecode", *args])
