@@ -1,7 +1,7 @@
 """Value checks for the ``eval`` config section (registered with :func:`core.config.register_validator`)."""
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from core.config import DTYPES, ConfigError, check_choice, check_range, register_validator
 
@@ -29,6 +29,82 @@ def _eval_checks(cfg: DictConfig) -> None:
     check_choice(cfg, "eval.dtype", DTYPES)
     check_device(cfg.eval.get("device"))
     _tree_checks(cfg)
+    variants = cfg.eval.get("variants")
+    if variants is not None and not isinstance(variants, ListConfig):
+        raise ConfigError(f"eval.variants={variants!r} must be null or a list of mappings of eval.* overrides, "
+                          "e.g. '[{gamma: 0.7}, {gamma: 0.85}]'")
+    head_type = OmegaConf.select(cfg, "heads.type", default=None)
+    heads_cfg = OmegaConf.to_container(cfg.heads, resolve=True) if "heads" in cfg and isinstance(cfg.heads, DictConfig) else {}
+    check_decoding_overrides(OmegaConf.to_container(cfg.eval, resolve=True), head_type, heads_cfg)
+
+
+# eval.<key> -> (head type whose drafter reads it, the heads.* key it overrides, expected value)
+DECODING_OVERRIDES = {
+    "topk": ("ctc", "topk", "int_or_list"),
+    "max_nodes": ("ctc", "max_nodes", "int"),
+    "max_alignments": ("ctc", "max_alignments", "int"),
+    "falcon_passes": ("falcon", "decoding.passes", "int"),
+    "falcon_tree": ("falcon", "decoding.tree", "mapping"),
+    "gamma": ("adadecode", "gamma", "number"),
+    "gamma_schedule": ("adadecode", "gamma_schedule", "numbers"),
+    "max_inflight": ("adadecode", "max_inflight", "int"),
+}
+
+
+def check_decoding_overrides(ev: dict, head_type: str | None = None, heads_cfg: dict | None = None,
+                             where: str = "eval") -> None:
+    """Type and range checks of the per-head decoding overrides of the ``eval`` section.
+
+    These keys default to null (= the head checkpoint's own value), so :func:`core.config.compose`
+    cannot type them by their default.  Each must hold what the ``heads.*`` key it overrides holds
+    (:data:`DECODING_OVERRIDES`): an integer >= 1 (``max_nodes``, ``max_alignments``,
+    ``falcon_passes``, ``max_inflight``), an integer >= 1 or a non-empty list of them (``topk``), a
+    number >= 0 (``gamma``), a list of numbers >= 0 (``gamma_schedule``), or a tree mapping
+    (``falcon_tree``: exactly one of node_children / depth_children / paths; with ``heads=falcon``
+    it is built with the selected ``heads.block_size`` and the pass count, as the drafter builds it).
+
+    Args:
+        ev: the plain ``eval`` section (or one ``eval.variants`` entry merged into it).
+        head_type: ``heads.type`` of the run (null: no head-specific checks).
+        heads_cfg: the plain ``heads`` section (block size and passes for the tree check).
+        where: the prefix that names the key in messages (``eval`` or ``eval.variants[i]``).
+
+    Raises:
+        ConfigError: a bad value; the message names ``<where>.<key>``, the value and what it must be.
+    """
+    import json
+
+    for key, (owner, head_key, kind) in DECODING_OVERRIDES.items():
+        value = ev.get(key)
+        if value is None:
+            continue
+        name = f"{where}.{key}={json.dumps(value)}"
+        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+        hint = f" (overrides heads.{head_key} of heads={owner})"
+        if kind == "int" and not (is_int(value) and value >= 1):
+            raise ConfigError(f"{name} must be an integer >= 1{hint}")
+        if kind == "int_or_list" and not ((is_int(value) and value >= 1) or (
+                isinstance(value, list) and value and all(is_int(v) and v >= 1 for v in value))):
+            raise ConfigError(f"{name} must be an integer >= 1 or a non-empty list of them, e.g. [10,6,4]{hint}")
+        if kind == "number" and not (is_num(value) and value >= 0):
+            raise ConfigError(f"{name} must be a number >= 0{hint}")
+        if kind == "numbers" and not (isinstance(value, list) and value and all(is_num(v) and v >= 0 for v in value)):
+            raise ConfigError(f"{name} must be a non-empty list of numbers >= 0, one per heads.layers entry{hint}")
+        if kind == "mapping":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name} must be a mapping with one of node_children, depth_children, paths, "
+                                  f"e.g. {{depth_children: [4, 2, 1]}}{hint}")
+            if head_type == owner:
+                from decoding.falcon import FalconTreeTemplate
+
+                c = heads_cfg or {}
+                passes = ev.get("falcon_passes") or (c.get("decoding") or {}).get("passes") or 4
+                try:
+                    FalconTreeTemplate.from_config(value, int(c.get("block_size") or 2), int(passes))
+                except (ValueError, TypeError, AttributeError) as exc:
+                    msg = str(exc).replace("heads.decoding.tree", f"{where}.{key}")
+                    raise ConfigError(msg if msg.startswith(f"{where}.{key}") else f"{where}.{key}: {msg}") from None
 
 
 def check_device(dev) -> None:

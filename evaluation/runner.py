@@ -243,7 +243,10 @@ def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
     Raises:
         ValueError: a variant is not a mapping, overrides an unknown ``eval`` key or one shared by
             the whole run (:data:`SHARED_EVAL_KEYS`: prompts, lengths, dtype, device, temperature...;
-            the key and the variant index are named), or two variants share a name.
+            the key and the variant index are named), two variants share a name, or a variant's
+            merged ``eval`` section fails the checks a whole run's does (a value's type or range,
+            :func:`evaluation.config_checks.check_decoding_overrides`); the message names
+            ``eval.variants[i]``.
     """
     from omegaconf import OmegaConf, open_dict
 
@@ -287,6 +290,17 @@ def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
             c.eval.variants = None
             for k, val in v.items():
                 OmegaConf.update(c, f"eval.{k}", val, merge=False)
+        from core.config import validate
+        from evaluation.config_checks import check_decoding_overrides
+
+        try:  # the variant's eval section passes the same checks as a whole run's (ranges, per-head overrides)
+            heads_cfg = to_container(c.heads) if "heads" in c else {}
+            check_decoding_overrides({k: val for k, val in to_container(c.eval).items() if k in v},
+                                     heads_cfg.get("type"), heads_cfg, where=f"eval.variants[{i}]")
+            validate(c)
+        except ConfigError as exc:
+            msg = str(exc)
+            raise ValueError(msg if msg.startswith(f"eval.variants[{i}]") else f"eval.variants[{i}]: {msg}") from None
         out.append((name, c))
     return out
 
@@ -558,6 +572,36 @@ class Progress:
 
 
 @torch.no_grad()
+def absolute_paths(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` whose local file paths are absolute: ``eval.checkpoint`` and every
+    ``eval.variants[i].checkpoint`` (not ``oracle`` / ``random``), ``eval.prompts``, ``model.path`` and
+    ``data.path``, each when it names an existing file or directory (a hub id stays as given).
+
+    A relative path means something only in the directory the command ran in: the saved
+    ``config.yaml`` is re-run by ``python -m evaluation.merge`` from anywhere, and the progress
+    fingerprint must not depend on how a path was spelt (``../shared/q.jsonl`` and
+    ``/work/shared/q.jsonl`` are one prompt file).  Symlinks are kept (``os.path.abspath``).
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    def fix(value):
+        if isinstance(value, str) and value not in REFERENCE_DRAFTERS and not os.path.isabs(value) \
+                and os.path.exists(value):
+            return os.path.abspath(value)
+        return value
+
+    out = cfg.copy()
+    with open_dict(out):
+        for key in ("eval.checkpoint", "eval.prompts", "model.path", "data.path"):
+            value = OmegaConf.select(out, key, default=None)
+            if value is not None:
+                OmegaConf.update(out, key, fix(value), merge=False)
+        for v in out.eval.get("variants") or []:
+            if isinstance(v, DictConfig) and v.get("checkpoint") is not None:
+                v.checkpoint = fix(v.checkpoint)
+    return out
+
+
 def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     """Run the evaluation described by ``cfg`` and write the outputs.
 
@@ -590,6 +634,7 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
             prompt + ``eval.max_new_tokens`` beyond the base's ``max_position_embeddings`` (raised
             before anything is written; :func:`decoding.vanilla.check_context_limit`).
     """
+    cfg = absolute_paths(cfg)  # config.yaml and the progress fingerprint hold no cwd-relative paths
     ev = cfg.eval
     if ev.get("threads"):
         torch.set_num_threads(int(ev.threads))

@@ -49,7 +49,17 @@ def _check_cfg(cfg: dict[str, Any], num_layers: int | None) -> None:
     unknown = sorted(set(cfg) - set(DEFAULTS) - {"type", "param_counts", *SHARED_KEYS})
     if unknown:
         raise ValueError(f"unknown heads keys {unknown}; valid: {sorted(DEFAULTS)}")
-    layers = [int(x) for x in cfg["layers"]]
+    def numbers(key, cast):  # a list of numbers (ints for layer ids), or ValueError naming the key
+        value = cfg[key]
+        ok = isinstance(value, Sequence) and not isinstance(value, str) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and (cast is float or float(v).is_integer())
+            for v in value)
+        if not ok:
+            raise ValueError(f"heads.{key}={value!r} must be a list of {'numbers' if cast is float else 'integers'}")
+        return [cast(v) for v in value]
+
+    layers = numbers("layers", int)
+    numbers("val_gammas", float)
     if not layers:
         raise ValueError("heads.layers is empty; give at least one candidate layer")
     if layers != sorted(set(layers)) or layers[0] < 1:
@@ -59,7 +69,7 @@ def _check_cfg(cfg: dict[str, Any], num_layers: int | None) -> None:
                          f"(the base has L={num_layers} layers; ℓ = L is the final layer itself)")
     for key in ("layer_weights", "gamma_schedule"):
         if cfg[key] is not None:
-            values = [float(v) for v in cfg[key]]
+            values = numbers(key, float)
             if len(values) != len(layers):
                 raise ValueError(f"heads.{key} has {len(values)} entries but heads.layers={layers} has {len(layers)}")
             if any(v < 0 for v in values):

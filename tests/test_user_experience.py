@@ -149,7 +149,7 @@ def test_shards_with_differently_spelt_checkpoint_merge_and_resume(tiny_base, ti
 
     w = load_file(tmp_path / "ckpt" / "model.safetensors")
     save_file({k: v + 1 for k, v in w.items()}, str(tmp_path / "ckpt" / "model.safetensors"))
-    with pytest.raises(ValueError, match="the weights of checkpoint ckpt changed"):
+    with pytest.raises(ValueError, match=f"the weights of checkpoint {tmp_path / 'ckpt'} changed"):
         run_evaluation(compose(_argv(tiny_model_dir, "b", "checkpoint=ckpt", "resume=auto", *common)), base=tiny_base)
 
 

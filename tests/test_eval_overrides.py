@@ -1,0 +1,79 @@
+"""Per-head decoding overrides of the ``eval`` section (``eval.topk``, ``eval.falcon_tree``,
+``eval.gamma``...) and ``eval.variants`` entries are checked like every other key: a wrong value
+is a ConfigError naming the key before anything runs (issue 19 item 7, the null-default keys)."""
+from __future__ import annotations
+
+import pytest
+
+from core.config import ConfigError, compose
+from evaluation.runner import variant_configs
+
+
+@pytest.mark.parametrize("args,message", [
+    (["eval.max_nodes=abc"], 'eval.max_nodes="abc" must be an integer >= 1'),
+    (["eval.max_nodes=0"], "eval.max_nodes=0 must be an integer >= 1"),
+    (["eval.topk=abc"], 'eval.topk="abc" must be an integer >= 1 or a non-empty list'),
+    (["eval.topk=[4,0]"], r"eval.topk=\[4, 0\] must be an integer >= 1 or a non-empty list"),
+    (["eval.max_alignments=1.5"], "eval.max_alignments=1.5 must be an integer >= 1"),
+    (["heads=falcon", "eval.falcon_passes=x"], 'eval.falcon_passes="x" must be an integer >= 1'),
+    (["heads=falcon", "eval.falcon_tree=abc"], 'eval.falcon_tree="abc" must be a mapping'),
+    (["heads=falcon", "eval.falcon_tree={depth_children: [a]}"], "eval.falcon_tree: invalid literal"),
+    (["heads=falcon", "eval.falcon_tree={depth_children: [2], paths: [[0]]}"], "eval.falcon_tree: set exactly one"),
+    (["heads=falcon", "eval.falcon_tree={node_children: {x: 2}}"], "eval.falcon_tree.node_children: key 'x'"),
+    (["heads=adadecode", "eval.gamma=high"], 'eval.gamma="high" must be a number >= 0'),
+    (["heads=adadecode", "eval.gamma=true"], "eval.gamma=true must be a number >= 0"),
+    (["heads=adadecode", "eval.gamma_schedule=abc"], 'eval.gamma_schedule="abc" must be a non-empty list'),
+    (["heads=adadecode", "eval.max_inflight=0"], "eval.max_inflight=0 must be an integer >= 1"),
+    (["eval.variants=abc"], "eval.variants='abc' must be null or a list of mappings"),
+])
+def test_bad_decoding_override_names_the_key(args, message):
+    with pytest.raises(ConfigError, match=message):
+        compose(args)
+
+
+def test_good_decoding_overrides_compose():
+    compose(["eval.topk=3", "eval.max_nodes=16", "eval.max_alignments=64"])
+    compose(["eval.topk=[4,2]"])
+    compose(["heads=falcon", "eval.falcon_passes=2", "eval.falcon_tree={depth_children: [2, 1]}"])
+    compose(["heads=adadecode", "eval.gamma=1", "eval.gamma_schedule=[0.5, 0.6, 0.7]", "eval.max_inflight=2"])
+
+
+@pytest.mark.parametrize("args,variants,message", [
+    (["heads=adadecode"], "[{gamma: abc}]", r'eval.variants\[0\].gamma="abc" must be a number'),
+    (["heads=adadecode"], "[{gamma: 0.5}, {max_inflight: 0}]", r"eval.variants\[1\].max_inflight=0 must be an integer"),
+    (["heads=falcon"], "[{falcon_tree: {depth_children: [a]}}]", r"eval.variants\[0\].falcon_tree: invalid literal"),
+    (["checkpoint=oracle"], "[{reference_depth: 0}]", r"eval.variants\[0\]: eval.reference_depth=0 must lie in"),
+])
+def test_bad_variant_entry_names_the_variant_and_key(args, variants, message):
+    cfg = compose([a.replace("checkpoint=", "eval.checkpoint=") for a in args] + [f"eval.variants={variants}"])
+    with pytest.raises(ValueError, match=message):
+        variant_configs(cfg)
+
+
+def test_cli_bad_override_is_one_line_exit_2_before_any_output(tmp_path, tiny_model_dir, capsys):
+    from evaluation.__main__ import main
+
+    out = tmp_path / "e"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello there!"}\n')
+    with pytest.raises(SystemExit) as exc:  # the old code decoded with the override ignored (oracle) or crashed later
+        main(["heads=falcon", "checkpoint=oracle", "eval.falcon_tree=abc", f"eval.output_dir={out}",
+              f"model.path={tiny_model_dir}", "model.attn_implementation=eager", f"eval.prompts={prompts}",
+              "eval.max_new_tokens=4", "eval.warmup=0"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "eval.falcon_tree" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["heads.gamma_schedule=abc"], "heads.gamma_schedule='abc' must be a list of numbers"),
+    (["heads.layer_weights=[a,b,c]"], r"heads.layer_weights=\['a', 'b', 'c'\] must be a list of numbers"),
+    (["heads.val_gammas=[a]"], r"heads.val_gammas=\['a'\] must be a list of numbers"),  # passed compose before
+    (["heads.layers=[a]"], r"heads.layers=\['a'\] must be a list of integers"),
+    (["heads.layers=[1.5]"], r"heads.layers=\[1.5\] must be a list of integers"),
+])
+def test_adadecode_list_keys_name_the_key(args, message):
+    """The same kind in the ``heads`` section: AdaDecode's list-valued keys said
+    "could not convert string to float: 'a'" (or nothing, for val_gammas) without the key."""
+    with pytest.raises(ConfigError, match=message):
+        compose(["heads=adadecode", *args])

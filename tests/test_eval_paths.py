@@ -1,0 +1,46 @@
+"""Relative paths in an evaluation (prompts file, base model folder, head checkpoint) are one
+identity with their absolute spelling, and the recorded ``config.yaml`` re-runs from any directory:
+``python -m evaluation.merge`` rebuilds the report from the first shard's config (issue 19 item 2,
+the same kind as the checkpoint paths)."""
+from __future__ import annotations
+
+import json
+import os
+
+from core.config import compose
+from evaluation.merge import main as merge_main
+from evaluation.runner import run_evaluation
+
+
+def test_shards_with_relative_paths_merge_from_another_directory(tiny_base, tiny_model_dir, tmp_path, monkeypatch,
+                                                                  capsys):
+    import heads
+
+    work, other = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    other.mkdir()
+    (work / "prompts.jsonl").write_text("\n".join(json.dumps({"id": i, "prompt": p}) for i, p in
+                                                  [("a", "Hello there!"), ("b", "def add(a, b):")]) + "\n")
+    os.symlink(tiny_model_dir, work / "base")
+    monkeypatch.chdir(work)
+
+    def argv(*extra):
+        return [f"eval.output_dir={tmp_path / 'shard' / extra[0]}", "model.attn_implementation=eager",
+                "eval.max_new_tokens=6", "eval.warmup=0", "eval.num_prompts=1", *extra[1:]]
+
+    cfg = compose(argv("x", f"model.path={tiny_model_dir}"))
+    torch_seed = __import__("torch").manual_seed(0)  # noqa: F841
+    heads.save(heads.build(cfg.heads, tiny_base[0]), work / "ckpt", tiny_base[2].to_dict())
+    # shard 0: everything relative to `work`; shard 1: the same files spelt absolutely
+    run_evaluation(compose(argv("0", "model.path=base", "eval.prompts=prompts.jsonl", "eval.checkpoint=ckpt")),
+                   base=tiny_base)
+    run_evaluation(compose(argv("1", f"model.path={work / 'base'}", f"eval.prompts={work / 'prompts.jsonl'}",
+                                f"eval.checkpoint={work / 'ckpt'}", "eval.prompt_offset=1")), base=tiny_base)
+    saved = (tmp_path / "shard" / "0" / "config.yaml").read_text()
+    assert f"prompts: {work / 'prompts.jsonl'}" in saved and f"checkpoint: {work / 'ckpt'}" in saved
+    monkeypatch.chdir(other)  # the merge runs elsewhere: shard 0's relative paths must still resolve
+    capsys.readouterr()
+    assert merge_main([str(tmp_path / "all"), str(tmp_path / "shard" / "0"), str(tmp_path / "shard" / "1")]) == 0
+    assert "merged 2 prompt(s)" in capsys.readouterr().out
+    rep = json.loads((tmp_path / "all" / "report.json").read_text())
+    assert [r["id"] for r in rep["per_prompt"]] == ["a", "b"] and rep["parity"]["matched"] == 2
