@@ -23,6 +23,19 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
+
+#: process-group variables that an earlier in-process test (Lightning, a single-process ZeRO run)
+#: may have left in os.environ; sbatch exports the environment, so a job would inherit a
+#: MASTER_PORT whose TCPStore this pytest process still holds (EADDRINUSE) instead of the
+#: job-id port of slurm/common.sh.
+_RANK_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+              "GROUP_RANK", "DRAFTHEADS_RUN_NAME")
+
+
+def _job_environ() -> dict[str, str]:
+    """The submitting environment without the process-group variables of this pytest process."""
+    return {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+
 def _cluster_or_skip() -> None:
     reason = None
     if os.geteuid() != 0:
@@ -55,7 +68,7 @@ def test_sbatch_train_falcon_completes(tiny_model_dir, tmp_path):
 
     cache = write_tiny_cache(tmp_path / "cache", tiny_model_dir, n_train=16, n_val=4)
     out = tmp_path / "out"
-    env = {**os.environ, "DRAFTHEADS_REPO": str(ROOT), "PYTHON": sys.executable, "WANDB_MODE": "offline",
+    env = {**_job_environ(), "DRAFTHEADS_REPO": str(ROOT), "PYTHON": sys.executable, "WANDB_MODE": "offline",
            "HF_HUB_OFFLINE": "1"}
     cmd = ["timeout", "420", "sbatch", "--wait", "--parsable",
            "--gres=none", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--mem=0", "--time=8",
@@ -88,7 +101,7 @@ def test_sbatch_data_prep_shards_across_tasks(tiny_model_dir, tmp_path):
     """slurm/data_prep.sh: 2 tasks (SLURM_PROCID / SLURM_NTASKS) write disjoint shards of one cache."""
     _cluster_or_skip()
     out = tmp_path / "out"
-    env = {**os.environ, "DRAFTHEADS_REPO": str(ROOT), "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1"}
+    env = {**_job_environ(), "DRAFTHEADS_REPO": str(ROOT), "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1"}
     cmd = ["timeout", "300", "sbatch", "--wait", "--parsable", "--gres=none", "--nodes=1", "--ntasks-per-node=2",
            "--cpus-per-task=1", "--mem=0", "--time=5", "--job-name=ci-prep", f"--output={tmp_path}/slurm-%j.out",
            f"--chdir={ROOT}", str(ROOT / "slurm" / "data_prep.sh"),
