@@ -24,7 +24,7 @@ With tokens x_0..x_n (x_n = the root, the bonus token) and true features f_0..f_
    only slots built from committed tokens and features (0..n−2), so ``draft`` may be called again
    with another root; slot n−1 is recomputed with the next context pass.
 
-Draft indices map to base token ids through the head's ``draft_ids``.  One step costs ``depth`` drafter
+Draft indices map to base token ids through the head's ``d2t`` (:meth:`heads.base.DraftHead.to_base_ids`).  One step costs ``depth`` drafter
 forwards (the context pass plus depth−1 expansions).
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Eagle3Drafter:
         """
         lp = torch.log_softmax(self.head.draft_logits(h), dim=-1)
         vals, idx = lp.topk(min(self.topk, lp.shape[-1]), dim=-1)
-        return vals.cpu(), self.head.draft_to_target[idx].cpu()
+        return vals.cpu(), self.head.to_base_ids(idx).cpu()
 
     @torch.no_grad()
     def draft(self, root_token: int):

@@ -17,11 +17,20 @@ x_{t+2} (the base's greedy label at position t+1), as EAGLE-1/Falcon k = 1 do.
   (``get_eagle3_aux_hidden_state_layers``) capture before running layer ℓ, i.e. hs[ℓ].  The
   cache supplies them (``prep.layers``); the decoding runtime asks the base for them through the
   drafter's ``feature_layers``.
-* **Draft vocabulary**: ``draft_ids`` [N] long, the base token id of every draft index (absolute,
-  strictly increasing; the engines' ``d2t`` offsets draft_ids[d] − d are written by
-  :mod:`heads.export`, EAGLE-3 ``scandata``); the LM head holds the base LM head's rows at those
-  ids at initialisation and is trainable.  ``heads.draft_vocab_size: null`` = the full vocabulary
-  (draft_ids = arange(V)); a reduced vocabulary needs the draft-vocabulary module of issue 13 (not on main yet).
+* **Draft vocabulary**: the shared mechanism of every head (:class:`heads.base.DraftHead`,
+  :mod:`heads.draft_vocab`): ``heads.draft_vocab_size`` N (``auto`` / null / an int), the top N
+  training labels of the cache, persistent ``d2t`` int64 [N] (absolute base ids, strictly
+  increasing) and ``t2d`` bool [V]; :meth:`DraftHead.to_base_ids` / :meth:`DraftHead.to_draft_ids`
+  map between them (the engines' ``d2t`` offsets d2t[d] − d are written by :mod:`heads.export`,
+  EAGLE-3 ``scandata``).  Unlike the other heads, EAGLE-3 has its OWN trainable LM head
+  ``trainable_lm_head`` [N, H], initialised from the base's rows W[d2t] (EAGLE-3 ``Model.__init__``
+  loads the target head's rows; SpecForge does the same); the frozen W[d2t]
+  (:meth:`DraftHead.draft_lm_head`) gives the soft teacher.
+* **Out-of-vocabulary rule** (issue 13, as Falcon): a position whose greedy label lies outside the
+  draft vocabulary leaves the CE term (``loss.target: greedy``); the soft teacher is restricted to
+  the draft vocabulary and renormalised (its softmax over W[d2t]·f) and keeps every loss position.
+  (EAGLE-3's code also drops those positions from the soft loss: ``position_mask = t2d[target]·loss_mask``.)
+  Validation counts an OOV label as a miss.  ``oov_rate`` (step-0 loss positions with an OOV label) is logged.
 * **Training-time test** (TTT, ``heads.ttt_steps`` S, default 7 as ``Model.length = 7``;
   ``heads.ttt_decay`` 0.8 as ``ploss_weight = 0.8**i`` in ``traineagle3/main.py``): step i
   feeds every slot its own step-(i−1) output h (pre-norm, the ``hidden_states_out`` of
@@ -54,7 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "layers": None,
     "ttt_steps": 7,
     "ttt_decay": 0.8,
-    "draft_vocab_size": None,
+    "draft_vocab_size": "auto",
     "norm_before_residual": False,
     "loss": {"target": "soft"},
     "decoding": {"depth": 8, "topk": 10, "total_tokens": 60},
@@ -94,7 +103,7 @@ def check_eagle3_config(c: dict[str, Any], num_layers: int | None = None, vocab_
 
     ``layers``: null or three strictly increasing ints in [1, L−1] (hs[0] is the embedding, hs[L]
     the post-norm output, neither is an EAGLE-3 feature); ``ttt_steps`` int ≥ 1; ``ttt_decay`` in
-    (0, 1]; ``draft_vocab_size`` null or the base vocabulary size; ``loss.target`` soft|greedy;
+    (0, 1]; ``loss.target`` soft|greedy;
     ``decoding.depth`` ≥ 1, ``topk`` ≥ 1, ``total_tokens`` ≥ 1.
     """
     def bad(key, msg):
@@ -114,13 +123,10 @@ def check_eagle3_config(c: dict[str, Any], num_layers: int | None = None, vocab_
         if num_layers is not None and not all(1 <= x <= num_layers - 1 for x in layers):
             bad("layers", f"{list(layers)} lies outside the base's depth: ids are hs indices in [1, {num_layers - 1}] "
                           f"(the base has {num_layers} layers)")
-    dv = c.get("draft_vocab_size")
-    if dv is not None and (vocab_size is None or int(dv) != int(vocab_size)):
-        if vocab_size is not None and isinstance(dv, int) and dv > vocab_size:
-            bad("draft_vocab_size", f"{dv} exceeds the base vocabulary ({vocab_size})")
-        if vocab_size is not None:
-            bad("draft_vocab_size", f"{dv}: a reduced draft vocabulary needs the draft-vocabulary module (issue 13, "
-                                    "not merged yet); use null (= the full vocabulary)")
+    if vocab_size is not None:  # ``heads.draft_vocab_size`` (null | auto | 2..V): the shared rule of every head
+        from heads.draft_vocab import check_size
+
+        check_size(c.get("draft_vocab_size"), int(vocab_size))
     if not isinstance(c["norm_before_residual"], bool):
         bad("norm_before_residual", f"must be true or false, got {c['norm_before_residual']!r}")
     if c["loss"]["target"] not in TARGETS:
@@ -238,14 +244,16 @@ class Eagle3Head(DraftHead):
     """The EAGLE-3 draft head (module docstring).
 
     Config (``configs/heads/eagle3.yaml``): ``layers`` (null = [2, L//2, L−3]), ``ttt_steps``,
-    ``ttt_decay``, ``draft_vocab_size`` (null = full), ``norm_before_residual``, ``loss.target``
+    ``ttt_decay``, ``draft_vocab_size`` (shared key: auto | null = full | N), ``norm_before_residual``, ``loss.target``
     (soft = cross-entropy against the base's softmax over the draft vocabulary, as EAGLE's
     ``Model.forward``; greedy = against the greedy label), ``decoding`` (``depth``, ``topk``,
     ``total_tokens``: :class:`decoding.eagle3.Eagle3Drafter`).
 
-    Trainable: ``fc`` [H, 3H], ``midlayer.*``, ``norm`` [H], ``draft_lm_head`` [N, H] (initialised from
-    the base LM head's rows at ``draft_ids``, on :meth:`attach_base` of a freshly built head).
-    Buffer ``draft_ids`` [N] long (saved).
+    Trainable: ``fc`` [H, 3H], ``midlayer.*``, ``norm`` [H], ``trainable_lm_head`` [N, H] (N = V
+    without a draft vocabulary; initialised from the base LM head's rows W[d2t] once both the base
+    and the mapping are present, on a freshly built head).  With a draft vocabulary the shared
+    persistent buffers ``d2t`` [N] int64 / ``t2d`` [V] bool (:class:`heads.base.DraftHead`) are saved.
+    The trainable head is not named ``draft_lm_head``: that is the base class's frozen W[d2t] method.
 
     Raises:
         ValueError: a bad config value (the message names the key), incl. layer ids outside the
@@ -271,15 +279,14 @@ class Eagle3Head(DraftHead):
         H = self.hidden_size
         self.layers = [int(x) for x in merged["layers"]]
         self.ttt_steps = int(merged["ttt_steps"])
-        self.draft_vocab_size = int(merged["draft_vocab_size"] or self.vocab_size)
         layer_cfg = copy.deepcopy(base_config)
         self.layer_config = layer_cfg
         self.fc = nn.Linear(3 * H, H, bias=False)
         self.midlayer = Eagle3DecoderLayer(layer_cfg, norm_before_residual=merged["norm_before_residual"])
         self.norm = LlamaRMSNorm(H, eps=float(getattr(base_config, "rms_norm_eps", 1e-6)))
-        self.draft_lm_head = nn.Linear(H, self.draft_vocab_size, bias=False)  # not `lm_head`: DraftHead.lm_head is the frozen base head
+        # own trainable head; not `lm_head` / `draft_lm_head` (DraftHead's frozen W / W[d2t] methods)
+        self.trainable_lm_head = nn.Linear(H, self.num_draft_tokens, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(layer_cfg)
-        self.register_buffer("draft_ids", torch.arange(self.draft_vocab_size, dtype=torch.long))
         std = float(getattr(base_config, "initializer_range", 0.02))
         for module in (self.fc, self.midlayer):
             for sub in module.modules():
@@ -288,6 +295,7 @@ class Eagle3Head(DraftHead):
                     if sub.bias is not None:
                         nn.init.zeros_(sub.bias)
         self._weights_loaded = False
+        self._lm_head_from_base = False  # trainable_lm_head already copied from W[d2t]
         self.register_load_state_dict_post_hook(lambda module, keys: setattr(module, "_weights_loaded", True))
 
     # -- base, vocabulary --------------------------------------------------------------------------
@@ -305,20 +313,25 @@ class Eagle3Head(DraftHead):
     def compute_dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    @property
-    def draft_to_target(self) -> torch.Tensor:
-        """Base (target) token id of every draft index, LongTensor [N] (the ``draft_ids`` buffer)."""
-        return self.draft_ids
+    def _slice_draft_lm_head(self) -> None:
+        """Base class: W[d2t] once base and mapping exist (on :meth:`attach_base` and after
+        :meth:`set_draft_vocab`, in either order).  Here also: a freshly built head copies those
+        frozen rows into its own ``trainable_lm_head`` (EAGLE-3 initialises from the target's head);
+        a loaded checkpoint (``load_state_dict``) keeps its trained rows."""
+        super()._slice_draft_lm_head()
+        if (getattr(self, "_weights_loaded", True) or self._lm_head_from_base or not hasattr(self, "lm_head_weight")):
+            return  # loaded / trained rows are never overwritten by a later attach_base
+        rows = self.lm_head_weight if self.draft_vocab_size is None else self.draft_lm_head_weight
+        with torch.no_grad():
+            self.trainable_lm_head.weight.copy_(rows.to(self.trainable_lm_head.weight))
+        self._lm_head_from_base = True
 
-    def attach_base(self, base_model) -> None:
-        """Borrow the frozen embedding/norm/LM head; a freshly built head copies the base LM head's
-        rows at its draft ids into its own trainable ``draft_lm_head`` (EAGLE-3 initialises from the
-        target's head; a loaded checkpoint keeps its trained rows)."""
-        super().attach_base(base_model)
+    def set_draft_vocab(self, vocab, info: dict[str, Any] | None = None) -> None:
+        """:meth:`DraftHead.set_draft_vocab`; a freshly built head re-initialises ``trainable_lm_head``
+        from the new rows W[d2t] (if the base is attached; else on :meth:`attach_base`)."""
         if not self._weights_loaded:
-            with torch.no_grad():
-                rows = self.lm_head_weight.index_select(0, self.draft_to_target.to(self.lm_head_weight.device))
-                self.draft_lm_head.weight.copy_(rows.to(self.draft_lm_head.weight.dtype))
+            self._lm_head_from_base = False
+        super().set_draft_vocab(vocab, info)
 
     # -- model -------------------------------------------------------------------------------------
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
@@ -328,7 +341,7 @@ class Eagle3Head(DraftHead):
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head over the draft vocabulary: h [..., H] (pre-norm layer output) → [..., N] float32."""
         with torch.autocast(device_type=h.device.type, enabled=False):
-            return self.draft_lm_head(self.norm(h)).float()
+            return self.trainable_lm_head(self.norm(h)).float()
 
     def _rope(self, h: torch.Tensor, pos: torch.Tensor):
         return self.rotary_emb(h, pos)
@@ -392,30 +405,30 @@ class Eagle3Head(DraftHead):
         return torch.cat([aux[l].to(self.compute_dtype) for l in self.layers], dim=-1)
 
     def _targets(self, batch: dict[str, Any], used: torch.Tensor, masks: list[torch.Tensor]):
-        """Per step i: (soft target logits [M_i, N] or draft ids [M_i], greedy labels [M_i]).
+        """Per step i: (soft target logits [M_i, N] or draft ids [M_i] (−1 = outside the draft
+        vocabulary, dropped from the CE), greedy labels [M_i] (base ids)).
 
-        The base's logits at a position are the same for every step that scores it, so W·f is
-        computed once for the positions ``used`` ([B, T] bool, the targets any step reads) and
-        step i gathers the rows of positions t+1+i (saves S−1 of S teacher LM-head products).
+        Soft teacher: the frozen W[d2t]·f (:meth:`DraftHead.draft_lm_head`), i.e. the base's
+        distribution restricted to the draft vocabulary and renormalised by the softmax of
+        :func:`losses.eagle3.ttt_loss`.  The base's logits at a position are the same for every
+        step that scores it, so they are computed once for the positions ``used`` ([B, T] bool,
+        the targets any step reads) and step i gathers the rows of positions t+1+i.
         """
         labels = batch["labels"]
-        d2t = self.draft_to_target.to(labels.device)
-        t2d = torch.full((self.vocab_size,), -1, dtype=torch.long, device=labels.device)
-        t2d[d2t] = torch.arange(self.draft_vocab_size, device=labels.device)
         soft = self.cfg["loss"]["target"] == "soft"
         if soft:
             row = torch.full(used.shape, -1, dtype=torch.long, device=used.device)
             row[used] = torch.arange(int(used.sum()), device=used.device)
             hid = batch["hidden"][used]
             with torch.autocast(device_type=hid.device.type, enabled=False):
-                teacher = (hid.float() @ self.lm_head_weight.float().T).index_select(-1, d2t.to(hid.device))
+                teacher = self.draft_lm_head(hid.float())
         out = []
         for i, m in enumerate(masks):
             lab = shift_left(labels, 1 + i, 0)[m]
             if soft:
                 out.append((teacher.index_select(0, shift_left(row, 1 + i, -1)[m]), lab))
             else:
-                out.append((t2d[lab], lab))
+                out.append((self.to_draft_ids(lab), lab))
         return out
 
     def _run(self, batch: dict[str, Any]):
@@ -423,35 +436,39 @@ class Eagle3Head(DraftHead):
         valid = batch["attention_mask"].bool()
         lm = batch["loss_mask"].bool() & valid
         steps = self.ttt_forward(self._features(batch), ids, valid)
-        labels = batch["labels"]
-        in_vocab = torch.zeros(self.vocab_size, dtype=torch.bool, device=labels.device)
-        in_vocab[self.draft_to_target.to(labels.device)] = True
-        used = lm & in_vocab[labels]
-        masks = ttt_step_masks(lm, len(steps), in_draft_vocab=in_vocab[labels])
+        masks = ttt_step_masks(lm, len(steps))
         logits = [self.draft_logits(h[m]) for h, m in zip(steps, masks)]
-        return steps, masks, logits, self._targets(batch, used, masks)
+        return steps, masks, logits, self._targets(batch, lm, masks)
+
+    def _oov(self, labels: torch.Tensor) -> torch.Tensor:
+        """[M] bool: the greedy label (base id) lies outside the draft vocabulary (all False if full)."""
+        return self.to_draft_ids(labels) < 0
 
     # -- training ----------------------------------------------------------------------------------
     def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:
         """Σ_i ttt_decay^i · CE_i over the TTT steps (:func:`losses.eagle3.ttt_loss`).
 
         Metrics: ``loss``, ``loss_step<i>`` and ``acc_step<i>`` (top-1 agreement of the draft
-        argmax, mapped to target ids, with the greedy label), ``loss_tokens`` (step-0 positions).
+        argmax, mapped to target ids, with the greedy label; an OOV label is a miss),
+        ``loss_tokens`` (step-0 positions), ``oov_rate`` (step-0 positions whose greedy label lies
+        outside the draft vocabulary; they leave the greedy CE, the soft teacher keeps them).
         """
         steps, masks, logits, targets = self._run(batch)
         loss, parts = ttt_loss(logits, [t[0] for t in targets], float(self.cfg["ttt_decay"]))
         loss = loss + 0.0 * sum(h.sum() for h in steps)  # keep every parameter in the graph (DDP) on empty steps
-        metrics = {"loss": float(loss.detach()), "loss_tokens": float(masks[0].sum())}
-        d2t = self.draft_to_target
+        lab0 = targets[0][1]
+        metrics = {"loss": float(loss.detach()), "loss_tokens": float(masks[0].sum()),
+                   "oov_rate": float(self._oov(lab0).sum()) / max(lab0.numel(), 1)}
         for i, (lg, (_, lab)) in enumerate(zip(logits, targets)):
             metrics[f"loss_step{i}"] = float(parts[i])
-            hit = d2t[lg.argmax(-1)] == lab if lg.shape[0] else torch.zeros(0, dtype=torch.bool)
+            hit = self.to_base_ids(lg.argmax(-1)) == lab if lg.shape[0] else torch.zeros(0, dtype=torch.bool)
             metrics[f"acc_step{i}"] = float(hit.float().mean()) if hit.numel() else 0.0
         return loss, metrics
 
     @torch.no_grad()
     def validation_metrics(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """``loss`` (Σ weighted CE · M0, M0), ``acc_step<i>`` (hits, M_i) and ``sim_tau``.
+        """``loss`` (Σ weighted CE · M0, M0), ``acc_step<i>`` (hits, M_i), ``oov_rate`` (OOV step-0
+        labels, M0) and ``sim_tau``.
 
         ``sim_tau`` (METHODS §5.1, bonus included): an anchor is a slot t with a step-0 loss
         position; depth d = i+1 is correct iff step i's draft argmax equals the greedy label at
@@ -463,19 +480,19 @@ class Eagle3Head(DraftHead):
         steps, masks, logits, targets = self._run(batch)
         loss, _ = ttt_loss(logits, [t[0] for t in targets], float(self.cfg["ttt_decay"]))
         B, T = masks[0].shape
-        d2t = self.draft_to_target
         alive = masks[0].clone()
         tau = masks[0].float()
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, (m, lg, (_, lab)) in enumerate(zip(masks, logits, targets)):
             hit = torch.zeros(B, T, dtype=torch.bool, device=m.device)
-            hit[m] = d2t[lg.argmax(-1)] == lab
+            hit[m] = self.to_base_ids(lg.argmax(-1)) == lab
             out[f"acc_step{i}"] = (hit.sum().float(), m.sum().float())
             alive = alive & hit
             tau = tau + alive.float()
         M0 = masks[0].sum().float()
         out["loss"] = (loss.detach().float() * M0, M0)
         out["sim_tau"] = (tau[masks[0]].sum(), M0)
+        out["oov_rate"] = (self._oov(targets[0][1]).sum().float(), M0)
         return out
 
     # -- decoding ----------------------------------------------------------------------------------

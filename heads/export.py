@@ -129,14 +129,15 @@ def check_base(meta: dict[str, Any], base: str | None) -> None:
 
 
 def _eagle3_weights(meta, state, prefix: str) -> dict[str, torch.Tensor]:
+    from heads.draft_vocab import d2t_offsets, t2d_mask
+
     V = int(meta["base"]["vocab_size"])
-    ids = state["draft_ids"].long()  # absolute base ids per draft index
-    N = ids.numel()
-    d2t = ids - torch.arange(N)  # the engines' offsets: target id = d + d2t[d]
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
+    # absolute base ids per draft index: the shared ``d2t`` buffer (DraftHead), arange(V) without a draft vocabulary
+    ids = state["d2t"].long() if "d2t" in state else torch.arange(V, dtype=torch.int64)
     out = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
-           "lm_head.weight": state["draft_lm_head.weight"], "d2t": d2t, "t2d": t2d}
+           "lm_head.weight": state["trainable_lm_head.weight"],
+           "d2t": d2t_offsets(ids),  # the engines' offsets: target id = d + d2t[d]
+           "t2d": t2d_mask(ids, V)}
     for k, v in state.items():
         if k.startswith("midlayer."):
             out[prefix + k[len("midlayer."):]] = v

@@ -16,18 +16,17 @@ from losses.ttt import shift_left
 TARGETS = ("soft", "greedy")
 
 
-def ttt_step_masks(loss_mask: torch.Tensor, steps: int, in_draft_vocab: torch.Tensor | None = None) -> list[torch.Tensor]:
+def ttt_step_masks(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Loss positions of TTT steps 0..S−1.
 
     Step i, slot t predicts the base's token at position t+2+i from its greedy label at t+1+i;
-    it counts iff position t+1+i exists, is a loss (assistant) position and, with a reduced draft
-    vocabulary, its greedy label is a draft token (EAGLE ``position_mask = t2d[target] ·
-    loss_mask``).
+    it counts iff position t+1+i exists and is a loss (assistant) position.  A greedy label
+    outside the draft vocabulary does not remove the position (issue 13's rule, as Falcon): it
+    leaves the greedy CE (:func:`ttt_loss`, label −1) while the soft teacher keeps it.
 
     Args:
         loss_mask: [B, T] bool (False on padding).
         steps: S ≥ 1.
-        in_draft_vocab: optional [B, T] bool, the greedy label at t is in the draft vocabulary.
 
     Returns:
         S bool tensors [B, T].
@@ -38,8 +37,6 @@ def ttt_step_masks(loss_mask: torch.Tensor, steps: int, in_draft_vocab: torch.Te
     if steps < 1:
         raise ValueError(f"ttt steps must be >= 1, got {steps}")
     m = loss_mask.bool()
-    if in_draft_vocab is not None:
-        m = m & in_draft_vocab.bool()
     return [shift_left(m, 1 + i, False) for i in range(steps)]
 
 
@@ -49,13 +46,15 @@ def ttt_loss(step_logits: list[torch.Tensor], step_targets: list[torch.Tensor], 
     Args:
         step_logits: per step [M_i, N] draft logits (any float dtype; computed in fp32).
         step_targets: per step either [M_i, N] float target logits over the draft vocabulary
-            (soft: CE against their softmax, EAGLE ``Model.forward``'s ``target_p``) or [M_i] long
-            draft ids (greedy: CE against the label).
+            (soft: CE against their softmax, EAGLE ``Model.forward``'s ``target_p``; over the draft
+            vocabulary this is the base's distribution restricted and renormalised) or [M_i] long
+            draft ids (greedy: CE against the label; −1 = outside the draft vocabulary, the row
+            leaves the CE mean, issue 13's rule).
         decay: the step weight base (EAGLE-3: 0.8).
 
     Returns:
         ``(loss, parts)``: scalar fp32 loss and a list of the per-step mean CEs (detached fp32
-        scalars).  A step with M_i = 0 contributes 0 (still connected to its logits).
+        scalars).  A step with no scored row contributes 0 (still connected to its logits).
 
     Raises:
         ValueError: mismatched list lengths or shapes.
@@ -70,11 +69,14 @@ def ttt_loss(step_logits: list[torch.Tensor], step_targets: list[torch.Tensor], 
             if tg.shape != lg.shape:
                 raise ValueError(f"step {i}: soft targets {tuple(tg.shape)} != logits {tuple(lg.shape)}")
             ce = -(F.softmax(tg.float(), dim=-1) * logq).sum(-1)
+            scored = ce.shape[0]
         else:
             if tg.shape != lg.shape[:-1]:
                 raise ValueError(f"step {i}: labels {tuple(tg.shape)} do not match logits {tuple(lg.shape)}")
-            ce = -logq.gather(-1, tg.long().unsqueeze(-1)).squeeze(-1)
-        mean = ce.sum() / max(ce.shape[0], 1)
+            keep = tg >= 0  # −1: greedy label outside the draft vocabulary, no CE term
+            ce = -logq.gather(-1, tg.long().clamp_min(0).unsqueeze(-1)).squeeze(-1) * keep
+            scored = int(keep.sum())
+        mean = ce.sum() / max(scored, 1)
         parts.append(mean.detach())
         total = total + (decay ** i) * mean
     return total, parts

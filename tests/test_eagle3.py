@@ -22,7 +22,7 @@ def _head(base, **cfg):
         for name, p in head.named_parameters():
             if name.startswith(("fc.", "midlayer.self_attn.")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        head.draft_lm_head.weight.mul_(30.0)
+        head.trainable_lm_head.weight.mul_(30.0)
     return head
 
 
@@ -177,6 +177,96 @@ def test_greedy_target_and_validation_metrics(tiny_base):
     assert loss.requires_grad and m["loss_tokens"] == float(batch["loss_mask"][:, 1:].sum())
 
 
+# -- draft vocabulary (issue 13's shared mechanism) ---------------------------------------------------
+def _vocab_head(base, ids, seed=0, **cfg):
+    """An eagle3 head over the draft vocabulary ``ids`` (sorted base ids) through the config route
+    (``heads.draft_vocab_size`` + label counts whose top |ids| are ``ids``), weights from ``seed``."""
+    import heads
+
+    counts = torch.zeros(base.config.vocab_size, dtype=torch.int64)
+    counts[ids] = torch.arange(ids.numel(), 0, -1) + 10
+    torch.manual_seed(seed)
+    return heads.build({"type": "eagle3", "layers": LAYERS, "draft_vocab_size": ids.numel(), **cfg}, base,
+                       label_counts=counts, counts_source="test")
+
+
+@pytest.mark.parametrize("target", ["soft", "greedy"])
+def test_reduced_draft_vocabulary_loss_rule(tiny_base, target):
+    """Issue 13's rule: a greedy label outside the draft vocabulary leaves the greedy CE; the soft
+    teacher is the base's softmax restricted to W[d2t] and renormalised, over EVERY loss position.
+    Brute force per position from the head's own TTT outputs; also oov_rate and the W[d2t] init."""
+    from heads import Progress
+
+    base = tiny_base[0]
+    ids = torch.arange(3, base.config.vocab_size, 3)  # every third id: many greedy labels fall outside
+    head = _vocab_head(base, ids, ttt_steps=2, loss={"target": target})
+    torch.testing.assert_close(head.trainable_lm_head.weight, base.get_output_embeddings().weight[ids])
+    assert torch.equal(head.to_base_ids(torch.arange(ids.numel())), ids)
+    batch = _batch(base, [12, 9])
+    loss, m = head.training_loss(batch, Progress())
+    W = base.get_output_embeddings().weight[ids]
+    index = {int(t): d for d, t in enumerate(ids)}
+    outs = head.ttt_forward(head._features(batch), batch["input_ids"], batch["attention_mask"].bool())
+    per_step, oov, n0 = [], 0, 0
+    for i, h in enumerate(outs):
+        ces = []
+        for b in range(2):
+            for t in range(batch["input_ids"].shape[1] - 1 - i):
+                p = t + 1 + i
+                if not (batch["loss_mask"][b, p] and batch["attention_mask"][b, p]):
+                    continue
+                logq = torch.log_softmax(head.draft_logits(h[b, t]), -1)
+                label = int(batch["labels"][b, p])
+                if i == 0:
+                    n0 += 1
+                    oov += label not in index
+                if target == "greedy":
+                    if label in index:
+                        ces.append(-float(logq[index[label]]))
+                else:
+                    teacher = torch.softmax(batch["hidden"][b, p] @ W.T, -1)
+                    ces.append(-float((teacher * logq).sum()))
+        per_step.append(sum(ces) / len(ces))
+    assert 0 < oov < n0
+    assert m["oov_rate"] == pytest.approx(oov / n0)
+    assert m["loss_step0"] == pytest.approx(per_step[0], rel=1e-5)
+    assert m["loss_step1"] == pytest.approx(per_step[1], rel=1e-5)
+    assert float(loss) == pytest.approx(per_step[0] + 0.8 * per_step[1], rel=1e-5)
+    v = head.validation_metrics(batch)
+    assert float(v["oov_rate"][0]) == oov and float(v["oov_rate"][1]) == n0 == float(v["sim_tau"][1])
+    # an OOV label is a miss: acc_step0 hits ≤ in-vocabulary positions
+    assert float(v["acc_step0"][0]) <= n0 - oov
+
+
+def test_full_size_draft_vocabulary_equals_null(tiny_base):
+    """heads.draft_vocab_size = V (d2t = arange(V)) trains, validates and drafts exactly as null."""
+    import heads
+    from heads import Progress
+
+    base = tiny_base[0]
+    V = base.config.vocab_size
+    full = _vocab_head(base, torch.arange(V), seed=4, ttt_steps=2)
+    torch.manual_seed(4)
+    null = heads.build({"type": "eagle3", "layers": LAYERS, "ttt_steps": 2, "draft_vocab_size": None}, base)
+    assert full.num_draft_tokens == null.num_draft_tokens == V and null.draft_vocab_size is None
+    for (k, a), (_, b) in zip(full.named_parameters(), null.named_parameters()):
+        assert torch.equal(a, b), k
+    batch = _batch(base, [11, 7])
+    lf, mf = full.training_loss(batch, Progress())
+    ln, mn = null.training_loss(batch, Progress())
+    assert float(lf) == pytest.approx(float(ln), rel=1e-6) and mf["oov_rate"] == mn["oov_rate"] == 0.0
+    vf, vn = full.validation_metrics(batch), null.validation_metrics(batch)
+    for k in vn:
+        torch.testing.assert_close(vf[k], vn[k])
+    prompt = _prompts(1, seed=6)[0]
+    from decoding.speculative import SpeculativeDecoder
+
+    a = SpeculativeDecoder(base, full.eval().make_drafter(base, decoding={"depth": 3, "topk": 3, "total_tokens": 9}))
+    b = SpeculativeDecoder(base, null.eval().make_drafter(base, decoding={"depth": 3, "topk": 3, "total_tokens": 9}))
+    (oa, sa), (ob, sb) = a.generate(prompt, 12), b.generate(prompt, 12)
+    assert oa == ob and {k: v for k, v in sa.items() if "seconds" not in k} == {k: v for k, v in sb.items() if "seconds" not in k}
+
+
 # -- config / inputs -------------------------------------------------------------------------------
 def test_defaults_and_bad_config(tiny_base):
     import heads
@@ -192,7 +282,10 @@ def test_defaults_and_bad_config(tiny_base):
         heads.build({"type": "eagle3", "layers": [3, 2, 1]}, base)
     with pytest.raises(ValueError, match="heads.ttt_steps"):
         heads.build({"type": "eagle3", "layers": LAYERS, "ttt_steps": 0}, base)
-    with pytest.raises(ValueError, match="heads.draft_vocab_size"):
+    V = base.config.vocab_size
+    with pytest.raises(ValueError, match=f"heads.draft_vocab_size.*{V + 1}"):
+        heads.build({"type": "eagle3", "layers": LAYERS, "draft_vocab_size": V + 1}, base)
+    with pytest.raises(ValueError, match="heads.draft_vocab_size=100 needs the cache's label counts"):
         heads.build({"type": "eagle3", "layers": LAYERS, "draft_vocab_size": 100}, base)
     head = _head(base)
     batch = _batch(base, [6])
@@ -215,12 +308,12 @@ def test_lm_head_initialised_from_base_rows_and_kept_on_load(tiny_base, tmp_path
 
     base = tiny_base[0]
     head = heads.build({"type": "eagle3", "layers": LAYERS}, base)
-    torch.testing.assert_close(head.draft_lm_head.weight, base.get_output_embeddings().weight)
+    torch.testing.assert_close(head.trainable_lm_head.weight, base.get_output_embeddings().weight)
     with torch.no_grad():
-        head.draft_lm_head.weight.mul_(2.0)
+        head.trainable_lm_head.weight.mul_(2.0)
     heads.save(head, tmp_path / "c", {"source": "tiny", "vocab_size": base.config.vocab_size})
     loaded, _ = heads.load(tmp_path / "c", base_model=base)
-    torch.testing.assert_close(loaded.draft_lm_head.weight, 2.0 * base.get_output_embeddings().weight)
+    torch.testing.assert_close(loaded.trainable_lm_head.weight, 2.0 * base.get_output_embeddings().weight)
 
 
 # -- decoding --------------------------------------------------------------------------------------
@@ -289,7 +382,10 @@ def test_eval_decoding_override_errors(tiny_base):
 
 
 # -- training through the CLI path -----------------------------------------------------------------
-def test_train_reload_and_decode(tiny_base, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("draft_vocab", [None, 64])
+def test_train_reload_and_decode(tiny_base, tiny_model_dir, tmp_path, draft_vocab):
+    """python -m train's code path; with heads.draft_vocab_size=64 the mapping is the top 64 of the
+    cache's training labels (as every head), checkpointed, and decoding stays lossless."""
     import heads
     from core.config import UserInputError, compose
     from core.tiny import write_random_cache
@@ -302,10 +398,23 @@ def test_train_reload_and_decode(tiny_base, tiny_model_dir, tmp_path):
     args = ["heads=eagle3", "heads.layers=[1,2,3]", "heads.ttt_steps=2", "train.logger=csv", "train.progress_bar=false",
             "train.sanity_val_steps=0", f"output_root={tmp_path}", f"train.cache_dir={cache}", "train.run_name=e",
             "train.accelerator=cpu", "train.devices=1", "train.max_steps=2", "train.batch_size=4",
-            "train.val_every_n_steps=2", "train.scheduler.warmup_steps=1"]
+            "train.val_every_n_steps=2", "train.scheduler.warmup_steps=1",
+            f"heads.draft_vocab_size={'null' if draft_vocab is None else draft_vocab}"]
     result = train(compose(args), base=tiny_base)
     head, meta = heads.load(result["run_dir"] / "best", base_model=model)
     assert meta["head_type"] == "eagle3" and head.layers == LAYERS
+    assert meta["head"]["draft_vocab_size"] == draft_vocab and head.num_draft_tokens == (draft_vocab or model.config.vocab_size)
+    assert head.trainable_lm_head.weight.shape == (head.num_draft_tokens, model.config.hidden_size)
+    if draft_vocab is not None:
+        from data_prep.label_counts import scan_split
+        from heads.draft_vocab import select_d2t
+
+        assert torch.equal(head.d2t, select_d2t(scan_split(cache / "train"), draft_vocab))
+        assert meta["head"]["draft_vocab"]["cache"] == str(cache)
+        import csv
+
+        rows = list(csv.DictReader(open(next((result["run_dir"]).rglob("metrics.csv")))))
+        assert any(r.get("train/oov_rate") not in (None, "") for r in rows)
     assert "sim_tau" in result["module"].validation_results
     prompt = _prompts(1, seed=3)[0]
     ref, _ = greedy_generate(model, prompt, 16, [tok.eos_token_id])

@@ -108,7 +108,7 @@ def _draftheads_eagle3(head, base, ids):
                                 additive_mask(torch.ones(T, T, dtype=torch.bool).tril(), torch.float32)[None, None],
                                 DraftKVCache())[0]
         full = torch.full((T, head.vocab_size), float("-inf"))
-        full[:, head.draft_to_target] = head.draft_logits(h)
+        full[:, head.to_base_ids(torch.arange(head.num_draft_tokens))] = head.draft_logits(h)
     return full
 
 
@@ -233,14 +233,24 @@ def test_export_errors(tiny_base, tmp_path, tiny_model_dir):
     assert main([str(tmp_path / "nope"), "--format", "vllm", str(tmp_path / "y")]) == 2
 
 
-def _restrict(head, ids):
-    """Give a built head a reduced draft vocabulary by hand (the config route waits for issue 13)."""
+def _counts_for(ids, V):
+    """Label counts [V] whose top ids.numel() tokens are exactly ``ids`` (the config route of issue 13)."""
+    counts = torch.zeros(V, dtype=torch.int64)
+    counts[ids] = torch.arange(ids.numel(), 0, -1) + 10
+    return counts
+
+
+def _restricted(base, ids):
+    """An eagle3 head built with ``heads.draft_vocab_size`` = |ids| from label counts selecting ``ids``;
+    its own LM head is scaled ×5 so it differs from the frozen rows W[d2t] it starts from."""
+    import heads
+
+    head = heads.build({"type": "eagle3", "layers": LAYERS, "draft_vocab_size": ids.numel()}, base,
+                       label_counts=_counts_for(ids, base.config.vocab_size), counts_source="test")
+    assert torch.equal(head.d2t, ids) and int(head.t2d.sum()) == ids.numel()
+    torch.testing.assert_close(head.trainable_lm_head.weight, head.lm_head_weight[ids])  # EAGLE-3 init: W[d2t]
     with torch.no_grad():
-        head.draft_vocab_size = ids.numel()
-        head.draft_ids = ids.clone()
-        head.draft_lm_head = torch.nn.Linear(head.hidden_size, ids.numel(), bias=False)
-        head.draft_lm_head.weight.copy_(head.lm_head_weight[ids] * 5.0)
-    head.cfg["draft_vocab_size"] = ids.numel()
+        head.trainable_lm_head.weight.mul_(5.0)
     return head
 
 
@@ -253,7 +263,7 @@ def test_reduced_draft_vocabulary_export_uses_offsets(tiny_base, tmp_path, engin
 
     base, _, identity = tiny_base
     ids = torch.sort(torch.randperm(base.config.vocab_size, generator=torch.Generator().manual_seed(8))[:57]).values
-    head = _restrict(heads.build({"type": "eagle3", "layers": LAYERS}, base), ids)
+    head = _restricted(base, ids)
     _sharpen(head)
     out = export(_save(head, base, tmp_path / "ckpt", identity), engine, tmp_path / "out")
     W = load_file(out / "model.safetensors")
@@ -264,18 +274,24 @@ def test_reduced_draft_vocabulary_export_uses_offsets(tiny_base, tmp_path, engin
     torch.testing.assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], rtol=1e-4, atol=1e-4)
 
 
-def test_reduced_draft_vocabulary_decodes_losslessly(tiny_base):
-    import heads
+@pytest.mark.parametrize("covers", [True, False])
+def test_reduced_draft_vocabulary_decodes_losslessly(tiny_base, covers):
+    """Parity with vanilla greedy over a reduced draft vocabulary (odd ids) that holds every token
+    vanilla emits (covers) or none of them (the drafter can never propose the right token)."""
     from decoding.speculative import SpeculativeDecoder
     from decoding.vanilla import greedy_generate
 
     base, tok, _ = tiny_base
-    ids = torch.arange(3, 300, 2)
-    head = _restrict(heads.build({"type": "eagle3", "layers": LAYERS}, base), ids).eval()
-    drafter = head.make_drafter(base, decoding={"depth": 4, "topk": 3, "total_tokens": 12})
     prompt = torch.randint(3, 300, (6,), generator=torch.Generator().manual_seed(1))
     ref, _ = greedy_generate(base, prompt, 20, [tok.eos_token_id])
-    out, _ = SpeculativeDecoder(base, drafter, [tok.eos_token_id]).generate(prompt, 20)
+    vocab = set(range(3, 300, 2)) | set(ref) if covers else set(range(3, 300, 2)) - set(ref)
+    ids = torch.tensor(sorted(vocab))
+    assert set(ref) <= vocab if covers else not set(ref) & vocab
+    head = _restricted(base, ids).eval()
+    drafter = head.make_drafter(base, decoding={"depth": 4, "topk": 3, "total_tokens": 12})
+    out, stats = SpeculativeDecoder(base, drafter, [tok.eos_token_id]).generate(prompt, 20)
     assert out == ref
+    if not covers:
+        assert sum(stats["accepted_per_depth"]) == 0
     tree = drafter.draft(int(ref[-1]))  # drafting again from the final state: every draft token is a draft-vocabulary id
-    assert set(tree.tokens[1:].tolist()) <= set(ids.tolist())
+    assert set(tree.tokens[1:].tolist()) <= vocab
