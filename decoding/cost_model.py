@@ -112,12 +112,15 @@ def measure_verify_ms(model, sizes: Sequence[int], context_tokens: int = 256, re
     cache, root, _ = prefill(model, ctx)
     past = cache.get_seq_length()
     dev = model_device(model)
-    out = []
+    trees = []
     for n in sizes:
         paths = [torch.randint(0, vocab, (4,), generator=gen).tolist() for _ in range(int(n))]
-        tree = DraftTree.from_paths(root, paths, max_nodes=int(n))
-        times = []
-        for i in range(int(repeats) + 1):
+        trees.append(DraftTree.from_paths(root, paths, max_nodes=int(n)))
+    times: list[list[float]] = [[] for _ in trees]
+    # rounds over the whole grid (round 0 is a warm-up), so that a burst of load from other
+    # processes hits every size alike instead of inflating the few sizes timed during it
+    for r in range(int(repeats) + 1):
+        for j, tree in enumerate(trees):
             crop_cache(cache, past)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -125,9 +128,9 @@ def measure_verify_ms(model, sizes: Sequence[int], context_tokens: int = 256, re
             verify_tree(model, cache, tree)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            if i:  # the first is a warm-up
-                times.append(now() - t0)
-        out.append(1000.0 * sorted(times)[len(times) // 2])
+            if r:
+                times[j].append(now() - t0)
+    out = [1000.0 * sorted(t)[len(t) // 2] for t in times]
     crop_cache(cache, past)
     return out
 
