@@ -405,7 +405,25 @@ def choose_budget(tau_by_nodes: dict[int, float], verify_seconds: Callable[[int]
 # ---------------------------------------------------------------------------------------------
 # Drafter wrappers
 # ---------------------------------------------------------------------------------------------
-class ScoreBudgetDrafter:
+class _DrafterWrapper:
+    """Delegates the ``decoding.speculative.Drafter`` protocol (reset / start / accept) to
+    ``self.drafter``; subclasses change :meth:`draft`."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+
+    def reset(self) -> None:
+        if hasattr(self.drafter, "reset"):
+            self.drafter.reset()
+
+    def start(self, prompt_ids, hidden) -> None:
+        self.drafter.start(prompt_ids, hidden)
+
+    def accept(self, tokens, hidden) -> None:
+        self.drafter.accept(tokens, hidden)
+
+
+class ScoreBudgetDrafter(_DrafterWrapper):
     """EAGLE-2-style dynamic tree (arXiv 2406.16858 §4 "re-ranking"): the wrapped drafter's tree is
     cut, every step, to its ``max_nodes`` best nodes (root included) by draft score — the
     cumulative draft log-probability — so the tree's shape follows the drafter's confidence in
@@ -423,23 +441,13 @@ class ScoreBudgetDrafter:
     def __init__(self, drafter, max_nodes: int) -> None:
         if int(max_nodes) < 1:
             raise ValueError(f"max_nodes={max_nodes} must be >= 1")
-        self.drafter = drafter
+        super().__init__(drafter)
         self.max_nodes = int(max_nodes)
 
     def __getattr__(self, name):  # head, template, ... of the wrapped drafter
         if name == "drafter":
             raise AttributeError(name)
         return getattr(self.drafter, name)
-
-    def reset(self) -> None:
-        if hasattr(self.drafter, "reset"):
-            self.drafter.reset()
-
-    def start(self, prompt_ids, hidden) -> None:
-        self.drafter.start(prompt_ids, hidden)
-
-    def accept(self, tokens, hidden) -> None:
-        self.drafter.accept(tokens, hidden)
 
     def draft(self, root_token: int) -> DraftTree:
         tree = self.drafter.draft(root_token)
@@ -458,23 +466,16 @@ class ScoreBudgetDrafter:
                          tree.scores[keep], drafter_passes=tree.drafter_passes)
 
 
-class RecordingDrafter:
+class RecordingDrafter(_DrafterWrapper):
     """Wraps a drafter and keeps every drafted tree (``trees``), for calibration replays."""
 
     def __init__(self, drafter) -> None:
-        self.drafter = drafter
+        super().__init__(drafter)
         self.trees: list[DraftTree] = []
 
     def reset(self) -> None:
         self.trees = []
-        if hasattr(self.drafter, "reset"):
-            self.drafter.reset()
-
-    def start(self, prompt_ids, hidden) -> None:
-        self.drafter.start(prompt_ids, hidden)
-
-    def accept(self, tokens, hidden) -> None:
-        self.drafter.accept(tokens, hidden)
+        super().reset()
 
     def draft(self, root_token: int) -> DraftTree:
         tree = self.drafter.draft(root_token)
