@@ -6,6 +6,8 @@ omegaconf dotlist) and runs, each stage as a subprocess of this repository's ent
 1. ``python -m data_prep`` once: one cache (``<output_dir>/cache``) for every head;
 2. per head, ``python -m train heads=<head>`` with ``train.max_time=<train_max_time>`` (the same
    wall-clock budget for every head), into ``<output_dir>/runs/<head>/compare-<name>``;
+   ``train_parallel`` heads at once, each with ``cpu_count // train_parallel`` threads
+   (``OMP_NUM_THREADS``), so every head gets the same share of the machine;
 3. per head, the evaluation protocol on ``best/`` (else ``last/``): ``eval.shards`` processes
    (one thread each) decode disjoint question ranges, every turn, for τ and parity;
    ``python -m evaluation.merge`` joins them and one resumed pass writes the report
@@ -13,6 +15,8 @@ omegaconf dotlist) and runs, each stage as a subprocess of this repository's ent
    category with ``eval.repeats`` rounds on ``eval.timing_threads`` threads (``eval/<name>/timing``);
 4. ``summary.md`` / ``summary.json`` in ``<output_dir>`` (:mod:`evaluation.summary`) with the
    training steps and seconds of each head.
+
+``stages`` (default all of prep, train, eval, summary) selects what this invocation runs.
 
 Resume: a finished stage leaves ``<output_dir>/stages/<stage>.done`` and is skipped; an
 interrupted one is run again with ``resume=auto`` (data prep skips finished shards, training
@@ -46,6 +50,7 @@ from core.config import UserInputError  # noqa: E402
 from core.io import atomic_write_json  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "compare.yaml"
+STAGES = ("prep", "train", "eval", "summary")
 
 
 def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
@@ -74,6 +79,12 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
     # relative paths are the caller's; the stages run in the repository root
     cfg.eval.prompts = str(Path(str(cfg.eval.prompts)).resolve())
     cfg.output_dir = str(Path(str(cfg.output_dir)).resolve())
+    p = cfg.get("train_parallel", 1)
+    if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+        raise UserInputError(f"train_parallel={p!r} must be an integer >= 1")
+    bad = [s for s in cfg.stages if s not in STAGES]
+    if bad or not cfg.stages:
+        raise UserInputError(f"stages={list(cfg.stages)!r}: expected a non-empty subset of {list(STAGES)}")
     for name in cfg.heads_to_run:
         if name not in cfg.heads:
             raise UserInputError(f"heads_to_run: {name!r} has no entry under heads (have {', '.join(cfg.heads)})")
@@ -127,35 +138,62 @@ class Driver:
     def run_stage(self, stage: str, commands: list[list[str]], ok_codes=(0,)) -> int:
         """Run ``commands`` in parallel (one process each) unless ``stage`` is done; returns the
         worst exit status (0 when skipped).  Exits the driver on a status not in ``ok_codes``."""
-        done = self._done(stage)
-        if done.is_file():
-            print(f"[skip] {stage}: done earlier ({done})")
-            return json.loads(done.read_text()).get("status", 0)
-        print(f"[run ] {stage}" + ("" if len(commands) == 1 else f" ({len(commands)} processes in parallel)"))
-        for c in commands:
-            print("       " + " ".join(_quote(a) for a in c))
-        if self.dry_run:
-            return 0
+        return self.run_stages([(stage, commands)], ok_codes)[0]
+
+    def run_stages(self, stages: list[tuple[str, list[list[str]]]], ok_codes=(0,),
+                   threads: int | None = None) -> list[int]:
+        """Run several stages at once, each as :meth:`run_stage` would (done ones are skipped, each
+        finished one leaves its own marker); ``threads`` sets ``OMP_NUM_THREADS`` of their processes.
+
+        Returns:
+            Each stage's worst exit status, in order.  Exits the driver (after every process has
+            ended, markers written for the stages that succeeded) on a status not in ``ok_codes``.
+        """
+        env = self._env()
+        if threads:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
         logs = self.out / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        t0 = time.time()
-        procs = []
-        for k, c in enumerate(commands):
-            log = open(logs / (f"{stage}.log" if len(commands) == 1 else f"{stage}.{k}.log"), "a", encoding="utf-8")
-            log.write(f"\n$ {' '.join(_quote(a) for a in c)}\n")
-            log.flush()
-            procs.append((subprocess.Popen(c, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT), log))
-        codes = []
-        for p, log in procs:
-            codes.append(p.wait())
-            log.close()
-        status = max(codes, key=lambda c: (c not in ok_codes, abs(c)))
-        if status not in ok_codes:
-            print(f"error: stage {stage} failed with exit status {status}; see {logs}/{stage}*.log, "
-                  "then run the same command again to resume", file=sys.stderr)
-            raise SystemExit(status)
-        atomic_write_json(done, {"status": status, "seconds": time.time() - t0, "commands": commands})
-        return status
+        running: list[tuple[str, list[list[str]], list, float]] = []
+        results: dict[str, int] = {}
+        for stage, commands in stages:
+            done = self._done(stage)
+            if done.is_file():
+                print(f"[skip] {stage}: done earlier ({done})")
+                results[stage] = json.loads(done.read_text()).get("status", 0)
+                continue
+            print(f"[run ] {stage}" + ("" if len(commands) == 1 else f" ({len(commands)} processes in parallel)")
+                  + (f" [OMP_NUM_THREADS={threads}]" if threads else ""))
+            for c in commands:
+                print("       " + " ".join(_quote(a) for a in c))
+            if self.dry_run:
+                results[stage] = 0
+                continue
+            logs.mkdir(parents=True, exist_ok=True)
+            procs = []
+            for k, c in enumerate(commands):
+                log = open(logs / (f"{stage}.log" if len(commands) == 1 else f"{stage}.{k}.log"), "a", encoding="utf-8")
+                log.write(f"\n$ {' '.join(_quote(a) for a in c)}\n")
+                log.flush()
+                procs.append((subprocess.Popen(c, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+            running.append((stage, commands, procs, time.time()))
+        failed = []
+        for stage, commands, procs, t0 in running:
+            codes = []
+            for p, log in procs:
+                codes.append(p.wait())
+                log.close()
+            status = max(codes, key=lambda c: (c not in ok_codes, abs(c)))
+            results[stage] = status
+            if status not in ok_codes:
+                print(f"error: stage {stage} failed with exit status {status}; see {logs}/{stage}*.log, "
+                      "then run the same command again to resume", file=sys.stderr)
+                failed.append(status)
+            else:
+                atomic_write_json(self._done(stage), {"status": status, "seconds": time.time() - t0,
+                                                      "commands": commands, "threads": threads})
+        if failed:
+            raise SystemExit(failed[0])
+        return [results[s] for s, _ in stages]
 
     # -- stages ---------------------------------------------------------------------------------
     def cache_dir(self) -> Path:
@@ -174,12 +212,21 @@ class Driver:
         """``<output_dir>/runs/<heads option>/compare-<name>`` (:func:`train.run.runs_root`)."""
         return self.out / "runs" / str(self.cfg.heads[name].head) / f"compare-{name}"
 
-    def train(self, name: str) -> None:
+    def train_command(self, name: str) -> list[str]:
         c = self.cfg
-        self.run_stage(f"train-{name}", [[self.py, "-m", "train", *self.head_args(name), *c.train,
-                                          f"train.max_time={c.train_max_time}", f"train.cache_dir={self.cache_dir()}",
-                                          f"train.run_name=compare-{name}", f"output_root={self.out}", "resume=auto",
-                                          "train.progress_bar=false"]])
+        return [self.py, "-m", "train", *self.head_args(name), *c.train, f"train.max_time={c.train_max_time}",
+                f"train.cache_dir={self.cache_dir()}", f"train.run_name=compare-{name}", f"output_root={self.out}",
+                "resume=auto", "train.progress_bar=false"]
+
+    def train(self, names: list[str]) -> None:
+        """Train ``names`` in groups of ``train_parallel`` heads at once.  With P > 1 each process
+        gets ``cpu_count // P`` threads, so every head has the same share of the machine for the
+        same ``train_max_time`` (on 2 cores, P = 2: one core each, half the wall-clock)."""
+        p = int(self.cfg.train_parallel)
+        threads = max(1, (os.cpu_count() or 1) // p) if p > 1 else None
+        for i in range(0, len(names), p):
+            group = names[i:i + p]
+            self.run_stages([(f"train-{n}", [self.train_command(n)]) for n in group], threads=threads)
 
     def checkpoint(self, name: str) -> Path:
         run = self.run_dir(name)
@@ -249,12 +296,16 @@ class Driver:
                 names.append(str(name))
         if not names:
             raise UserInputError("no head of heads_to_run is available")
-        self.prepare()
-        for name in names:
-            self.train(name)
-        for name in names:
-            self.evaluate(name)
-        self.summarize(names)
+        stages = set(self.cfg.stages)
+        if "prep" in stages:
+            self.prepare()
+        if "train" in stages:
+            self.train(names)
+        if "eval" in stages:
+            for name in names:
+                self.evaluate(name)
+        if "summary" in stages:
+            self.summarize(names)
         if self.parity_failures:
             print(f"PARITY FAILURE in {', '.join(self.parity_failures)} (see eval/<name>/*/report.json)", file=sys.stderr)
             return 1

@@ -91,3 +91,29 @@ def test_compare_driver_bad_config_is_one_line_error(tiny_setup, capsys):
     assert "'nope=1': not a key=value override" in capsys.readouterr().err
     assert compare.main(["--config", str(config), "heads_to_run=[notyet]"]) == 2
     assert not out.exists()  # nothing written before the configuration is valid
+
+
+def test_compare_driver_parallel_training_and_stage_selection(tiny_setup, capsys, monkeypatch):
+    """train_parallel=P trains heads in groups of P, cpu_count // P threads each; `stages` picks
+    what runs; a failed stage of a group does not lose its neighbour's marker."""
+    config, out = tiny_setup
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 4)
+    assert compare.main(["--config", str(config), "--dry-run", "stages=[train]", "train_parallel=2",
+                         "heads_to_run=[ctc,ctc_ce]"]) == 0
+    ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[run ]")]
+    assert ran == ["[run ] train-ctc [OMP_NUM_THREADS=2]", "[run ] train-ctc_ce [OMP_NUM_THREADS=2]"]
+    assert compare.main(["--config", str(config), "stages=[]"]) == 2
+    assert compare.main(["--config", str(config), "stages=[train,deploy]"]) == 2
+    assert "stages=['train', 'deploy']: expected a non-empty subset of" in capsys.readouterr().err
+    assert compare.main(["--config", str(config), "train_parallel=0"]) == 2
+
+    cfg = compare.load_config(config, [])
+    drv = compare.Driver(cfg)
+    py = sys.executable
+    show = [py, "-c", "import os; print('threads', os.environ['OMP_NUM_THREADS'])"]
+    with pytest.raises(SystemExit) as exc:
+        drv.run_stages([("ok", [show]), ("bad", [[py, "-c", "raise SystemExit(3)"]])], threads=2)
+    assert exc.value.code == 3
+    assert (out / "stages" / "ok.done").is_file() and not (out / "stages" / "bad.done").exists()
+    assert "threads 2" in (out / "logs" / "ok.log").read_text()
+    assert drv.run_stages([("ok", [[py, "-c", "raise SystemExit(5)"]])]) == [0]  # done earlier: skipped
