@@ -154,8 +154,9 @@ def merge_and_report(out_dir: Path, shard_dirs: Sequence[Path], base=None, decod
     """
     from evaluation.runner import run_evaluation
 
+    cfg = report_config(out_dir, list(map(Path, shard_dirs)))  # before anything is written
     out = merge_progress(out_dir, shard_dirs)
-    out["report"] = run_evaluation(report_config(out_dir, list(map(Path, shard_dirs))), base=base, decoder=decoder)
+    out["report"] = run_evaluation(cfg, base=base, decoder=decoder)
     return out
 
 
@@ -180,6 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        # the report's config is checked before anything is written: a bad shard config.yaml leaves
+        # no merged progress.jsonl behind
+        cfg = report_config(Path(args[0]), [Path(a) for a in args[1:]]) if report else None
         out = merge_progress(Path(args[0]), [Path(a) for a in args[1:]])
         shards = ", ".join(f"{s}: {n}" for s, n in out["per_shard"].items())
         print(f"merged {out['prompts']} prompt(s) into {out['path']} ({shards}; {out['duplicates']} duplicate(s) kept once)")
@@ -189,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         from evaluation.runner import run_evaluation
 
-        result = run_evaluation(report_config(Path(args[0]), [Path(a) for a in args[1:]]))
+        result = run_evaluation(cfg)
     except ParityError as exc:
         print(f"PARITY FAILURE: {exc}", file=sys.stderr)
         return 1

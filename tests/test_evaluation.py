@@ -365,3 +365,20 @@ def test_merge_refuses_shards_of_different_runs(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ValueError, match="exists and is not a directory"):
         merge_progress(tmp_path / "afile", [a])
+
+
+def test_merge_with_report_checks_shard_configs_before_writing(tmp_path, capsys):
+    """A shard whose config.yaml is missing or unreadable stops the merge-with-report before the
+    merged progress.jsonl is written (the error names the file); --no-report still merges."""
+    d = tmp_path / "a"
+    d.mkdir()
+    write_progress(d / "progress.jsonl", {"fingerprint": "f", "weights": {"c": "w"}},
+                   [{"id": "p1", "prompt_sha256": "h1", "vanilla": {}, "methods": []}])
+    assert merge_main([str(tmp_path / "out"), str(d)]) == 2
+    assert "no config.yaml to rebuild the evaluation from" in capsys.readouterr().err
+    (d / "config.yaml").write_text("eval: [unclosed\n")
+    assert merge_main([str(tmp_path / "out"), str(d)]) == 2
+    assert f"{d / 'config.yaml'}: unreadable config" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "progress.jsonl").exists()
+    assert merge_main(["--no-report", str(tmp_path / "out"), str(d)]) == 0
+    assert (tmp_path / "out" / "progress.jsonl").is_file()
