@@ -74,6 +74,22 @@ def check_decoding_overrides(ev: dict, head_type: str | None = None, heads_cfg: 
     """
     import json
 
+    dec = ev.get("decoding")
+    if dec is not None:  # eval.decoding: a map merged over heads.decoding (any head that has one)
+        if not isinstance(dec, dict):
+            raise ConfigError(f"{where}.decoding={json.dumps(dec)} must be a mapping merged over the head's "
+                              "heads.decoding section, e.g. '{topk: 8}'")
+        head_dec = (heads_cfg or {}).get("decoding")
+        if isinstance(head_dec, dict):
+            from core.config import check_override_type
+
+            unknown = sorted(set(dec) - set(head_dec))
+            if unknown:
+                raise ConfigError(f"{where}.decoding: unknown key(s) {', '.join(unknown)} for heads={head_type}; "
+                                  f"heads.decoding has {', '.join(sorted(head_dec))}")
+            for k, v in dec.items():
+                check_override_type(f"{where}.decoding.{k}", head_dec[k], v)
+
     for key, (owner, head_key, kind) in DECODING_OVERRIDES.items():
         value = ev.get(key)
         if value is None:
@@ -159,6 +175,9 @@ def _tree_checks(cfg: DictConfig) -> None:
         from decoding.tree import TreeError
         from decoding.tree_search import check_rank_tree
 
+        if not isinstance(spec.paths, ListConfig):
+            raise ConfigError(f"{key}.paths={spec.paths!r} must be a list of rank paths (lists of ints), "
+                              "e.g. [[0], [1], [0, 0]]")
         try:
             check_rank_tree(OmegaConf.to_container(spec.paths), contiguous=False)
         except TreeError as exc:

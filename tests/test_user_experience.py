@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -37,9 +38,13 @@ def _argv(tiny_model_dir, out, *extra):
     (["train.shuffle=1"], "train.shuffle=1 must be true or false"),
     (["prep.layers=3"], "prep.layers=3 must be a list"),
     (["eval.max_new_tokens=1.5"], "eval.max_new_tokens=1.5 must be an integer"),
+    (["heads=eagle3", "eval.decoding={topk: abc}"], 'eval.decoding.topk="abc" must be an integer'),
+    (["heads=eagle3", "eval.decoding={topK: 8}"], "eval.decoding: unknown key(s) topK for heads=eagle3"),
+    (["heads=eagle3", "eval.decoding=3"], "eval.decoding=3 must be a mapping merged over the head's heads.decoding"),
+    (["heads=falcon", "heads.decoding.tree={paths: abc}"], "heads.decoding.tree.paths='abc' must be a list of rank paths"),
 ])
 def test_wrong_typed_value_names_the_key(args, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         compose(args)
 
 
