@@ -374,10 +374,12 @@ def choose_rank_tree(p: Sequence[Sequence[float]], verify_seconds: Callable[[int
     return best
 
 
-def choose_budget(tau_by_nodes: dict[int, float], verify_seconds: Callable[[int], float], drafter_step_seconds: float,
-                  nodes: int | None = None) -> TreeChoice:
+def choose_budget(tau_by_nodes: dict[int, float], verify_seconds: Callable[[int], float],
+                  drafter_step_seconds: float | Callable[[int], float], nodes: int | None = None) -> TreeChoice:
     """The node budget n maximising τ(n) / (c(n) + drafter) (CTC's ``max_nodes``, the dynamic
     score-truncated tree's n*); ``tau_by_nodes`` from :meth:`AcceptanceStats.budget_tau`.
+    ``drafter_step_seconds`` is the drafter's seconds per step, or a function of n when the
+    drafter's work depends on the budget (EAGLE-3 expands at most n − 1 levels).
 
     Raises:
         ValueError: no budget (empty grid), or ``nodes`` not among the measured budgets.
@@ -392,7 +394,7 @@ def choose_budget(tau_by_nodes: dict[int, float], verify_seconds: Callable[[int]
     for n in sorted(tau_by_nodes):
         if nodes is not None and n != int(nodes):
             continue
-        step = verify_seconds(n) + drafter_step_seconds
+        step = verify_seconds(n) + (drafter_step_seconds(n) if callable(drafter_step_seconds) else drafter_step_seconds)
         tps = tau_by_nodes[n] / step
         cands.append({"nodes": n, "tau": tau_by_nodes[n], "tokens_per_s": tps})
         if best is None or tps > best.tokens_per_s * (1 + 1e-9):
@@ -407,10 +409,17 @@ def choose_budget(tau_by_nodes: dict[int, float], verify_seconds: Callable[[int]
 # ---------------------------------------------------------------------------------------------
 class _DrafterWrapper:
     """Delegates the ``decoding.speculative.Drafter`` protocol (reset / start / accept) to
-    ``self.drafter``; subclasses change :meth:`draft`."""
+    ``self.drafter``; subclasses change :meth:`draft`.  Every other attribute, among them the
+    protocol's optional ones (``feature_layers``: the hidden-state ids EAGLE-3 reads), is the
+    wrapped drafter's, so a wrapper never changes what the runtime hands the drafter."""
 
     def __init__(self, drafter) -> None:
         self.drafter = drafter
+
+    def __getattr__(self, name: str):
+        if name == "drafter":  # not set yet (e.g. during unpickling/copy): no recursion
+            raise AttributeError(name)
+        return getattr(self.drafter, name)
 
     def reset(self) -> None:
         if hasattr(self.drafter, "reset"):

@@ -19,6 +19,10 @@ Per head type (a planner per type; a new tree head registers one in :data:`PLANN
   probability (:class:`decoding.tree_search.ScoreBudgetDrafter`), n* from the cost model.
 * ``ctc``: the trie keeps its best-scoring nodes already, so ``auto`` = ``dynamic`` = the candidate
   budget ``max_nodes`` = n* maximising τ(n) / (c(n) + drafter).
+* ``eagle3``: its EAGLE-2 tree is dynamic already (the best ``total_tokens`` nodes by cumulative
+  log-probability each step), so ``auto`` = ``dynamic`` = the budget n* (``total_tokens`` = n* − 1)
+  from a calibration at the largest grid budget, with ``depth``/``topk`` capped at n* − 1 (the same
+  tree for fewer drafter passes; :func:`_eagle3_choose`).
 
 ``eval.tree=config`` keeps the head's configured tree.  Heads without a tree (AdaDecode) and the
 reference drafters are left as they are (the report says so).
@@ -146,8 +150,40 @@ def _ctc_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[dic
     return choice.to_dict() | {"max_nodes": choice.nodes}, {"max_nodes": choice.nodes}, None
 
 
+def _eval_decoding(ev) -> dict[str, Any]:
+    from core.config import to_container
+
+    d = ev.get("decoding")
+    return dict(to_container(d)) if d is not None else {}
+
+
+def _eagle3_setup(head, ev) -> dict[str, Any]:
+    grid = check_grid(ev.tree_grid)
+    dec = {**head.cfg["decoding"], **_eval_decoding(ev)}
+    return {"depth": int(dec["depth"]), "topk": int(dec["topk"]),
+            "calibration_kwargs": {"decoding": {**_eval_decoding(ev), "total_tokens": max(2, max(grid)) - 1}}}
+
+
+def _eagle3_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[dict, dict, Callable | None]:
+    """EAGLE-3's budget n* (EAGLE-2 ``total_token`` = n − 1, chosen from the cost model as EAGLE-2's
+    ``total_token=-1`` does, but from the calibrated τ(n) rather than a fixed table).  The top n − 1
+    nodes by cumulative log-probability are ancestor-closed, so no kept node lies deeper than n − 1
+    or beyond rank n − 1 at its depth: drafting with ``depth`` = min(depth, n − 1) and ``topk`` =
+    min(topk, n − 1) yields the same tree for fewer drafter passes (the cost charged per n)."""
+    per_pass = stats.drafter_seconds_per_pass() or 0.0
+    tau = {n: t for n, t in stats.budget_tau().items() if n >= 2}  # n = 1 drafts nothing: not an EAGLE tree
+    if not tau:
+        raise ValueError(f"eval.tree_grid={list(ev.tree_grid)}: eagle3 needs a node count >= 2 in the grid")
+    depth = lambda n: min(setup["depth"], n - 1)  # noqa: E731
+    choice = choose_budget(tau, cost.verify_seconds, lambda n: depth(n) * per_pass, ev.get("tree_nodes"))
+    n = choice.nodes
+    dec = {**_eval_decoding(ev), "total_tokens": n - 1, "depth": depth(n), "topk": min(setup["topk"], n - 1)}
+    return choice.to_dict() | {"decoding": dec}, {"decoding": dec}, None
+
+
 # head type -> (setup(head, eval) -> dict with calibration_kwargs, choose(setup, stats, cost, eval))
-PLANNERS: dict[str, tuple[Callable, Callable]] = {"falcon": (_falcon_setup, _falcon_choose), "ctc": (_ctc_setup, _ctc_choose)}
+PLANNERS: dict[str, tuple[Callable, Callable]] = {"falcon": (_falcon_setup, _falcon_choose), "ctc": (_ctc_setup, _ctc_choose),
+                                                  "eagle3": (_eagle3_setup, _eagle3_choose)}
 
 
 def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts, eos_ids):
@@ -181,6 +217,12 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     if ev.get("tree_nodes") is not None and int(ev.tree_nodes) < 1:
         raise ValueError(f"eval.tree_nodes={ev.tree_nodes} must be >= 1 (root included)")
     fixed = {"falcon": "falcon_tree", "ctc": "max_nodes"}.get(head_type)
+    if head_type == "eagle3" and _eval_decoding(ev).get("total_tokens") is not None:
+        fixed = "decoding.total_tokens"
+        log.warning("eval.decoding.total_tokens is set: using it, not eval.tree=%s", mode)
+        info["tree_choice"] = {"mode": mode, "applied": False,
+                               "reason": f"eval.{fixed} given explicitly: that budget is used (unset it to size the tree)"}
+        return decoder, info
     if fixed and ev.get(fixed) is not None:  # the user chose the tree explicitly: it wins over auto
         log.warning("eval.%s is set: using it, not eval.tree=%s", fixed, mode)
         info["tree_choice"] = {"mode": mode, "applied": False,

@@ -39,7 +39,7 @@ def _save_head(cfg, tiny_base, tmp_path):
     heads.save(heads.build(cfg.heads, tiny_base[0]), tmp_path / "ckpt", tiny_base[2].to_dict())
 
 
-@pytest.mark.parametrize("head", ["ctc", "falcon", "falcon_k1"])
+@pytest.mark.parametrize("head", ["ctc", "falcon", "falcon_k1", "eagle3"])
 @pytest.mark.parametrize("mode", ["auto", "dynamic"])
 def test_auto_trees_keep_parity_for_every_tree_head(tiny_base, tiny_model_dir, tmp_path, sharegpt, head, mode,
                                                     monkeypatch):
@@ -47,7 +47,8 @@ def test_auto_trees_keep_parity_for_every_tree_head(tiny_base, tiny_model_dir, t
     monkeypatch.setattr(AcceptanceStats, "rank_acceptance", lambda self: [[0.7, 0.2, 0.05]] * 8)
     planted = {1: 1.0, 2: 1.6, 3: 1.9, 4: 2.3, 6: 2.6, 8: 2.8}
     monkeypatch.setattr(AcceptanceStats, "budget_tau", lambda self: planted)
-    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, head, f"eval.tree={mode}")
+    extra = ["heads.layers=[1,2,3]"] if head == "eagle3" else []  # the tiny base has 4 layers
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, head, f"eval.tree={mode}", *extra)
     _save_head(cfg, tiny_base, tmp_path)
     rep = run_evaluation(cfg, base=tiny_base)
     assert rep["parity"] == {"matched": 2, "total": 2, "mismatched_ids": [], "checked": True}
@@ -63,6 +64,32 @@ def test_auto_trees_keep_parity_for_every_tree_head(tiny_base, tiny_model_dir, t
     assert trees_seen <= chosen["nodes"] - 1  # every verified tree within the chosen size
     best = max(c["tokens_per_s"] for c in chosen["candidates"])
     assert chosen["tokens_per_s"] == best
+    if head == "eagle3":  # EAGLE-2 budget n* = total_tokens + 1; no deeper or wider expansion than n* - 1
+        n = chosen["nodes"]
+        assert chosen["decoding"] == {"total_tokens": n - 1, "depth": min(8, n - 1), "topk": min(10, n - 1)}
+        assert cal["key"]["calibration"] == {"decoding": {"total_tokens": 7}}  # the largest grid budget, 8 nodes
+
+
+def test_eagle3_budget_charges_the_passes_it_drafts():
+    """The EAGLE-3 planner: τ(n) / (c(n) + min(depth, n-1) passes); with costly passes a small budget
+    wins, with free passes the largest τ(n) per verification second."""
+    from decoding.cost_model import CostModel
+    from evaluation.tree_auto import _eagle3_choose
+    from omegaconf import OmegaConf
+
+    stats = AcceptanceStats(budget_sizes=[1, 2, 4, 8])
+    stats.budget_accepted, stats.steps = [0, 40, 70, 90], 100  # tau(n) = 1, 1.4, 1.7, 1.9
+    stats.drafter_passes, stats.drafter_seconds = 800, 800 * 0.02
+    cost = CostModel(sizes=[1, 2, 4, 8], verify_ms=[100.0, 100.0, 100.0, 100.0], key={}, context_tokens=16, repeats=1)
+    ev = OmegaConf.create({"tree_grid": [1, 2, 4, 8], "tree_nodes": None, "decoding": None})
+    setup = {"depth": 8, "topk": 10}
+    # 20 ms per pass: n=2 -> 1.4/0.12 = 11.7, n=4 -> 1.7/0.16 = 10.6, n=8 -> 1.9/0.24 = 7.9 tokens/s
+    chosen, kwargs, wrap = _eagle3_choose(setup, stats, cost, ev)
+    assert chosen["nodes"] == 2 and kwargs == {"decoding": {"total_tokens": 1, "depth": 1, "topk": 1}} and wrap is None
+    assert [round(c["tokens_per_s"], 2) for c in chosen["candidates"]] == [11.67, 10.62, 7.92]
+    stats.drafter_seconds = 0.0
+    chosen, kwargs, _ = _eagle3_choose(setup, stats, cost, ev)
+    assert chosen["nodes"] == 8 and kwargs["decoding"] == {"total_tokens": 7, "depth": 7, "topk": 7}
 
 
 def test_auto_is_the_default_and_untrained_heads_choose_valid_trees(tiny_base, tiny_model_dir, tmp_path, sharegpt):
