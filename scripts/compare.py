@@ -6,8 +6,8 @@ omegaconf dotlist) and runs, each stage as a subprocess of this repository's ent
 1. ``python -m data_prep`` once: one cache (``<output_dir>/cache``) for every head;
 2. per head, ``python -m train heads=<head>`` with ``train.max_time=<train_max_time>`` (the same
    wall-clock budget for every head), into ``<output_dir>/runs/<head>/compare-<name>``;
-   ``train_parallel`` heads at once, each with ``cpu_count // train_parallel`` threads
-   (``OMP_NUM_THREADS``), so every head gets the same share of the machine;
+   ``train_parallel`` heads at once, so every head gets the same share of the machine
+   (:meth:`Driver.train`);
 3. per head, the evaluation protocol on ``best/`` (else ``last/``): ``eval.shards`` processes
    (one thread each) decode disjoint question ranges, every turn, for τ and parity;
    ``python -m evaluation.merge`` joins them and one resumed pass writes the report
@@ -141,9 +141,10 @@ class Driver:
         return self.run_stages([(stage, commands)], ok_codes)[0]
 
     def run_stages(self, stages: list[tuple[str, list[list[str]]]], ok_codes=(0,),
-                   threads: int | None = None) -> list[int]:
+                   threads: int | None = None, cpus: list[int] | None = None) -> list[int]:
         """Run several stages at once, each as :meth:`run_stage` would (done ones are skipped, each
-        finished one leaves its own marker); ``threads`` sets ``OMP_NUM_THREADS`` of their processes.
+        finished one leaves its own marker); ``threads`` sets ``OMP_NUM_THREADS`` of their processes
+        and ``cpus`` (Linux) the CPUs they may run on.
 
         Returns:
             Each stage's worst exit status, in order.  Exits the driver (after every process has
@@ -162,7 +163,7 @@ class Driver:
                 results[stage] = json.loads(done.read_text()).get("status", 0)
                 continue
             print(f"[run ] {stage}" + ("" if len(commands) == 1 else f" ({len(commands)} processes in parallel)")
-                  + (f" [OMP_NUM_THREADS={threads}]" if threads else ""))
+                  + (f" [OMP_NUM_THREADS={threads}]" if threads else "") + (f" [CPUs {cpus}]" if cpus else ""))
             for c in commands:
                 print("       " + " ".join(_quote(a) for a in c))
             if self.dry_run:
@@ -174,7 +175,9 @@ class Driver:
                 log = open(logs / (f"{stage}.log" if len(commands) == 1 else f"{stage}.{k}.log"), "a", encoding="utf-8")
                 log.write(f"\n$ {' '.join(_quote(a) for a in c)}\n")
                 log.flush()
-                procs.append((subprocess.Popen(c, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+                pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+                procs.append((subprocess.Popen(c, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               preexec_fn=pin), log))
             running.append((stage, commands, procs, time.time()))
         failed = []
         for stage, commands, procs, t0 in running:
@@ -219,14 +222,21 @@ class Driver:
                 "resume=auto", "train.progress_bar=false"]
 
     def train(self, names: list[str]) -> None:
-        """Train ``names`` in groups of ``train_parallel`` heads at once.  With P > 1 each process
-        gets ``cpu_count // P`` threads, so every head has the same share of the machine for the
-        same ``train_max_time`` (on 2 cores, P = 2: one core each, half the wall-clock)."""
+        """Train ``names`` in groups of ``train_parallel`` = P heads at once, so that every head has
+        the same share of the machine, C / P cores (C = ``os.cpu_count()``), for the same
+        ``train_max_time``.  P ≤ C: each process gets C // P threads.  P > C: one thread each, and a
+        group of g < P heads (the last one) is pinned to ⌈g·C / P⌉ CPUs, so its heads do not get
+        more than C / P cores either (on 2 cores, P = 4: half a core each; the last pair shares one
+        core)."""
         p = int(self.cfg.train_parallel)
-        threads = max(1, (os.cpu_count() or 1) // p) if p > 1 else None
+        ncpu = os.cpu_count() or 1
+        threads = max(1, ncpu // p) if p > 1 else None
         for i in range(0, len(names), p):
             group = names[i:i + p]
-            self.run_stages([(f"train-{n}", [self.train_command(n)]) for n in group], threads=threads)
+            cpus = None
+            if p > ncpu and len(group) < p and hasattr(os, "sched_setaffinity"):
+                cpus = sorted(os.sched_getaffinity(0))[:max(1, math.ceil(len(group) * ncpu / p))]
+            self.run_stages([(f"train-{n}", [self.train_command(n)]) for n in group], threads=threads, cpus=cpus)
 
     def checkpoint(self, name: str) -> Path:
         run = self.run_dir(name)

@@ -102,13 +102,28 @@ def test_compare_driver_parallel_training_and_stage_selection(tiny_setup, capsys
                          "heads_to_run=[ctc,ctc_ce]"]) == 0
     ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[run ]")]
     assert ran == ["[run ] train-ctc [OMP_NUM_THREADS=2]", "[run ] train-ctc_ce [OMP_NUM_THREADS=2]"]
+    # P > C: one thread each; the last, smaller group is pinned to ceil(g*C/P) CPUs (same share per head)
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(compare.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(compare.os, "sched_setaffinity", lambda pid, cpus: None, raising=False)
+    assert compare.main(["--config", str(config), "--dry-run", "stages=[train]", "train_parallel=4",
+                         "heads_to_run=[ctc,ctc_ce,falcon,falcon_k1,eagle3,adadecode]"]) == 0
+    ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[run ]")]
+    assert ran == [f"[run ] train-{n} [OMP_NUM_THREADS=1]" for n in ("ctc", "ctc_ce", "falcon", "falcon_k1")] + \
+        [f"[run ] train-{n} [OMP_NUM_THREADS=1] [CPUs [0]]" for n in ("eagle3", "adadecode")]
     assert compare.main(["--config", str(config), "stages=[]"]) == 2
     assert compare.main(["--config", str(config), "stages=[train,deploy]"]) == 2
     assert "stages=['train', 'deploy']: expected a non-empty subset of" in capsys.readouterr().err
     assert compare.main(["--config", str(config), "train_parallel=0"]) == 2
 
+    monkeypatch.undo()
     cfg = compare.load_config(config, [])
     drv = compare.Driver(cfg)
+    if hasattr(compare.os, "sched_setaffinity"):
+        cpu = min(compare.os.sched_getaffinity(0))
+        shown = [sys.executable, "-c", "import os; print('cpus', sorted(os.sched_getaffinity(0)))"]
+        assert drv.run_stages([("pinned", [shown])], cpus=[cpu]) == [0]
+        assert f"cpus [{cpu}]" in (out / "logs" / "pinned.log").read_text()
     py = sys.executable
     show = [py, "-c", "import os; print('threads', os.environ['OMP_NUM_THREADS'])"]
     with pytest.raises(SystemExit) as exc:
