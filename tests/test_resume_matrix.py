@@ -172,15 +172,20 @@ def _kill_case(spec, caches, tiny_base, tmp_path):
     assert_same_run(full, part)
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
-def test_signal_during_optimizer_step_checkpoints_whole_step_and_stops(signame, caches, tiny_base, tmp_path,
+@pytest.mark.parametrize("signame,n", [("SIGTERM", 16), ("SIGUSR1", 20)])
+def test_signal_during_optimizer_step_checkpoints_whole_step_and_stops(signame, n, caches, tiny_base, tmp_path,
                                                                         monkeypatch):
     """Falcon (noise + CSGD), accumulation 2, step budget; the signal arrives inside step 3.  The
     run checkpoints after step 3 (a validation is due only at 4), stops before step 4 and never
-    writes again; for SIGUSR1 inside a Slurm job rank 0 requeues with ``scontrol requeue``."""
+    writes again; for SIGUSR1 inside a Slurm job rank 0 requeues with ``scontrol requeue``.
+
+    With 16 conversations (4 batches, 2 steps an epoch) step 3 is mid-epoch; with 20 (5 batches
+    padded to 6, 3 steps an epoch) step 3 ends epoch 0, between validations: that checkpoint used to
+    resume into epoch 2 (Lightning's loop state saved at a batch end, before the batch counts as
+    completed), skipping epoch 1 (1.5e-2 off)."""
     signum = getattr(signal, signame)
     extra = ["train.max_steps=6", "train.val_every_n_steps=2", "train.accumulate_grad_batches=2"]
-    cache = caches[16]
+    cache = caches[n]
     full = _train(tmp_path, cache, tiny_base, "falcon", "full", extra)["run_dir"]
     stub = tmp_path / "bin"
     stub.mkdir()

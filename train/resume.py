@@ -176,6 +176,7 @@ class Preemption(Callback):
         self.checkpoint = checkpoint
         self.received: int | None = None
         self._stop_after: int | None = None
+        self._at_batch_end = False  # the pre-emption checkpoint is being written at a batch end
         self._previous: dict[int, Any] = {}
 
     def _handler(self, signum, frame) -> None:
@@ -224,10 +225,30 @@ class Preemption(Callback):
             return
         self.received = signum
         if not loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
-            self.checkpoint.save_last_now(trainer)  # else the validation end of this step writes it
+            self._at_batch_end = True  # else the validation end of this step writes it
+            try:
+                self.checkpoint.save_last_now(trainer)
+            finally:
+                self._at_batch_end = False
         self._stop_after = int(trainer.global_step)
         if signum == getattr(__import__("signal"), "SIGUSR1", -1):
             _slurm_requeue(trainer)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """Record the batch whose end writes the pre-emption checkpoint as completed.
+
+        Lightning counts a batch completed only after its ``on_train_batch_end`` hooks, so a
+        checkpoint written there holds ``completed = processed - 1``.  On restart Lightning
+        completes that batch itself, but when it was the epoch's last one it also counts the epoch
+        processed and then starts the next epoch as the one after it: the resumed run skipped an
+        epoch (epoch 0's end resumed in epoch 2).  With the batch counted completed here the
+        checkpoint is the one a validation ending the same optimizer step writes, whose resume is exact.
+        """
+        if not self._at_batch_end:
+            return
+        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+        for part in ("total", "current"):
+            progress[part]["completed"] = progress[part]["processed"]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self._stop_after is not None:
