@@ -154,6 +154,9 @@ def main(argv=None) -> None:
     for i, overrides in enumerate(plan):
         kill = args.kill_after_step if i == len(plan) - 1 else None
         run_one(args.model_dir, [*common, *overrides], kill, base=base, draft_vocab_size=args.draft_vocab_size)
+    from train.strategies import shutdown_distributed
+
+    shutdown_distributed()  # as python -m train does (train.run.main): no gloo teardown at interpreter exit
 
 
 if __name__ == "__main__":

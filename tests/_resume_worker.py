@@ -84,6 +84,9 @@ def main(argv=None) -> None:
         result = train(cfg, base=base, callbacks=callbacks)
         if entry.get("stop", {}).get("kind") == "signal":
             assert result["preempted"] is not None and result["preempted"].step == entry["stop"]["step"], result
+    from train.strategies import shutdown_distributed
+
+    shutdown_distributed()  # as python -m train does (train.run.main): no gloo teardown at interpreter exit
 
 
 if __name__ == "__main__":

@@ -175,3 +175,44 @@ def test_progress_description_never_negative():
 
     assert progress_description(3, 1000, 0, -1) == "step 3/1000"
     assert progress_description(4, 10, 1, 2) == "step 4/10 · epoch 2/2"
+
+
+# --------------------------------------------------------------------------------------------
+# Process teardown.
+# --------------------------------------------------------------------------------------------
+def test_shutdown_distributed_destroys_the_process_group(tmp_path):
+    """A finished process destroys its gloo group itself (a group left to interpreter exit made
+    rank 1 of the ZeRO-3 resume in tests/test_distributed.py abort with exit -6, ~1 launch in 10)."""
+    import torch.distributed as dist
+
+    from train.strategies import shutdown_distributed
+
+    if dist.is_initialized():
+        pytest.skip("an earlier in-process run left a process group")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    out = torch.empty(1)
+    dist.all_gather_into_tensor(out, torch.ones(1), async_op=True)  # a pending async collective, as ZeRO-3 leaves
+    assert shutdown_distributed() is True
+    assert not dist.is_initialized()
+    assert shutdown_distributed() is False  # nothing left: a no-op
+
+
+def test_cli_destroys_the_process_group_after_training_and_after_preemption(monkeypatch):
+    """``python -m train`` (train.run.main) shuts the group down on every rank once training
+    returned - also when it returned pre-empted, before the 128 + signal exit."""
+    import core.config
+    import train.strategies
+    from train.resume import Preempted
+    from train.run import main
+
+    calls = []
+    monkeypatch.setattr(train.strategies, "shutdown_distributed", lambda: calls.append("shutdown") or True)
+    monkeypatch.setattr(core.config, "run_cli", lambda fn, argv, doc: {"preempted": None, "exports": {}})
+    main([])
+    assert calls == ["shutdown"]
+    stop = Preempted(15, 3, "last.ckpt")
+    monkeypatch.setattr(core.config, "run_cli", lambda fn, argv, doc: {"preempted": stop, "exports": {}})
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 128 + 15 and calls == ["shutdown", "shutdown"]

@@ -441,7 +441,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import train.__main__ as entry
     from core.config import run_cli
 
+    from train.strategies import shutdown_distributed
+
     result = run_cli(train, argv, entry.__doc__)
+    shutdown_distributed()  # every rank got here: training ended, or all agreed on the pre-emption stop
     stop = result.get("preempted")
     if stop is not None:
         print(f"pre-empted: {stop}")

@@ -380,6 +380,30 @@ def trainer_kwargs(cfg: Any) -> dict[str, Any]:
     }
 
 
+def shutdown_distributed() -> bool:
+    """End this process's part of a multi-process run: barrier, then destroy the process group.
+
+    Call once per process when it has no collective left (every rank finished ``train`` or
+    agreed on a pre-emption stop), never after an exception on one rank (the barrier would wait
+    for ranks that are gone).  Without it the default gloo group lives until interpreter exit:
+    its worker threads can still hold the last reference to an asynchronous collective's work
+    (ZeRO-3 gathers parameters with ``async_op=True``), freeing it then needs the GIL of an
+    interpreter that is being torn down, and the process aborts with "terminate called without
+    an active exception" (exit -6) after a run that finished (pytorch/pytorch#190489, #179291).
+    ``destroy_process_group`` joins those threads while the interpreter is whole; the barrier
+    first lets every peer finish its last collective before any connection closes.
+
+    Returns True if a process group was destroyed (False: none was initialized).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
+
+
 def zero_stage(cfg: Any) -> int:
     """ZeRO stage of ``cfg.strategy`` (0 for ``auto`` / ``ddp``); logged with every run."""
     stage = cfg.strategy.get("zero_stage")
