@@ -7,8 +7,11 @@ bitwise: the exported weights, the optimizer state (DDP: the checkpoint's; ZeRO:
 shard), and the logged rows.
 
 Default cases (representative): Falcon under DDP with its default randomness (per-rank RNG
-states), killed mid-run; AdaDecode with an extra frozen parameter under ZeRO-3 (the frozen
-parameter gather used to crash the checkpoint), SIGTERM to rank 0 only, inside an optimizer step.  The rest of the matrix runs with ``pytest -m resume_matrix``.
+states), killed mid-run; AdaDecode with an extra frozen parameter under ZeRO-3 at accumulation 2,
+SIGTERM to rank 0 only inside the optimizer step that ends epoch 0, between validations (that
+checkpoint used to resume into epoch 2; the frozen parameter's gather is part of every save).
+The rest of the matrix (every head incl. EAGLE-3 and Falcon k=1, DDP and ZeRO-3, both budgets,
+accumulation 1 and 2, kills and signals) runs with ``pytest -m resume_matrix``.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ HEAD_ARGS = {
     "falcon": ["heads=falcon"],
     "adadecode": ["heads=adadecode", f"heads.layers={LAYERS}"],
     "adadecode_frozen": ["heads=adadecode", f"heads.layers={LAYERS}", "heads.type=adadecode_frozen"],
+    "eagle3": ["heads=eagle3", f"heads.layers={LAYERS}", "heads.ttt_steps=3"],
+    "falcon_k1": ["heads=falcon_k1"],
 }
 
 
@@ -93,9 +98,11 @@ def _optimizer_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
 
 CASES = {
     # name: (head, strategy + budget overrides, stop spec); a kill must be the last case of a group
-    "zero3-adadecode-frozen-sigterm": ("adadecode_frozen", ["strategy=deepspeed_zero3", "train.max_steps=6",
-                                                            "train.val_every_n_steps=2"],
-                                       {"kind": "signal", "step": 3, "signal": "SIGTERM", "ranks": [0]}),
+    # 20 conversations in batches of 2 on 2 ranks: 5 batches a rank, padded to 6 = 3 optimizer steps
+    # an epoch at accumulation 2, so the signal in step 3 stops at epoch 0's end, between validations
+    "zero3-adadecode-frozen-acc2-sigterm-epoch-end": ("adadecode_frozen", [
+        "strategy=deepspeed_zero3", "train.max_steps=6", "train.val_every_n_steps=2", "train.accumulate_grad_batches=2"],
+        {"kind": "signal", "step": 3, "signal": "SIGTERM", "ranks": [0]}),
     "ddp-falcon-kill": ("falcon", ["strategy=ddp", "train.max_steps=6", "train.val_every_n_steps=2"],
                         {"kind": "kill", "step": 3}),
 }
@@ -106,10 +113,20 @@ MATRIX = [{  # groups: at most one kill each, last
     "ddp-adadecode-sigterm-acc2": ("adadecode", ["strategy=ddp", "train.max_steps=6", "train.val_every_n_steps=2",
                                                  "train.accumulate_grad_batches=2"],
                                    {"kind": "signal", "step": 3, "signal": "SIGTERM", "ranks": [1]}),
+    "zero3-eagle3-steps-sigterm-midepoch": ("eagle3", ["strategy=deepspeed_zero3", "train.max_steps=6",
+                                                       "train.val_every_n_steps=2"],
+                                            {"kind": "signal", "step": 3, "signal": "SIGTERM", "ranks": [1]}),
     "zero3-adadecode-epochs-epoch-end": ("adadecode", ["strategy=deepspeed_zero3", "train.max_steps=-1",
                                                        "train.max_epochs=3", "train.val_every_n_steps=3"],
                                          {"kind": "kill", "step": 3}),
 }, {
+    "ddp-eagle3-epochs-acc2-sigusr1-epoch-end": ("eagle3", ["strategy=ddp", "train.max_steps=-1", "train.max_epochs=2",
+                                                            "train.accumulate_grad_batches=2",
+                                                            "train.val_every_n_steps=2"],
+                                                 {"kind": "signal", "step": 3, "signal": "SIGUSR1", "ranks": [0, 1]}),
+    "zero3-falcon_k1-steps-acc2-signal-at-validation": ("falcon_k1", [
+        "strategy=deepspeed_zero3", "train.max_steps=5", "train.val_every_n_steps=1", "train.accumulate_grad_batches=2"],
+        {"kind": "signal", "step": 4, "signal": "SIGTERM", "ranks": [0]}),
     "ddp-ctc-epochs-acc2-midwindow": ("ctc", ["strategy=ddp", "train.max_steps=-1", "train.max_epochs=2",
                                               "train.accumulate_grad_batches=2", "train.val_every_n_steps=1"],
                                       {"kind": "kill", "step": 2, "micro": 1}),

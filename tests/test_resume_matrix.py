@@ -31,6 +31,7 @@ HEAD_ARGS = {
     "falcon": ["heads=falcon"],
     "falcon_k1": ["heads=falcon_k1"],
     "adadecode": ["heads=adadecode", f"heads.layers={LAYERS}"],
+    "eagle3": ["heads=eagle3", f"heads.layers={LAYERS}"],
 }
 
 
@@ -145,6 +146,11 @@ MATRIX = {  # pytest -m resume_matrix
                                                lambda: kill_at(5), 5),
     "falcon_k1-epochs-midepoch": ("falcon_k1", 20, ["train.max_steps=-1", "train.max_epochs=2",
                                                     "train.val_every_n_steps=3"], lambda: kill_at(4), 3),
+    "eagle3-epochs-acc2-midwindow": ("eagle3", 20, ["train.max_steps=-1", "train.max_epochs=2",
+                                                    "train.accumulate_grad_batches=2", "train.val_every_n_steps=2"],
+                                     lambda: kill_at(4, micro=1), 4),
+    "eagle3-steps-after-nonimproving-val": ("eagle3", 16, ["train.max_steps=5", "train.val_every_n_steps=1"],
+                                            lambda: kill_at(3), 3),
 }
 
 
