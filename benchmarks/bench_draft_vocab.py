@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-HEADS = ("ctc", "falcon", "falcon_noglance", "falcon_k1", "adadecode")
+HEADS = ("ctc", "falcon", "falcon_noglance", "falcon_k1", "adadecode", "eagle3")
 SIZES = (4096, 8192, 16384, None)
 
 
@@ -144,7 +144,8 @@ def time_heads(args) -> dict:
         counts = torch.randperm(V, generator=torch.Generator().manual_seed(0)).to(torch.int64)
     results = {}
     for name in args.heads:
-        layers = [int(l) for l in head_cfg(name, None).get("layers", [])] if name == "adadecode" else []
+        # intermediate layers the head reads (adadecode's candidates, eagle3's [2, L//2, L-3])
+        layers = [int(l) for l in heads.build(head_cfg(name, None), base).required_cache_layers]
         n_batches = args.warmup + args.steps
         if args.cache:
             batches = cache_batches(args.cache, n_batches, args.batch_size, args.length, layers, H, args.seed)
@@ -193,10 +194,41 @@ def time_heads(args) -> dict:
             "batches": "cache " + str(args.cache) if args.cache else "synthetic", "heads": results}
 
 
+class CpuTimedDrafter:
+    """Wraps a ``decoding.speculative.Drafter`` and adds the process CPU time of its ``start`` /
+    ``draft`` / ``accept`` calls to ``cpu_seconds`` (the decoder's own stats are wall clock, which
+    other jobs on a shared machine stretch).  Every other attribute (``feature_layers``,
+    ``reset``, ...) is the wrapped drafter's."""
+
+    def __init__(self, drafter) -> None:
+        self.inner, self.cpu_seconds = drafter, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _timed(self, fn, *args):
+        t0 = time.process_time()
+        try:
+            return fn(*args)
+        finally:
+            self.cpu_seconds += time.process_time() - t0
+
+    def start(self, prompt_ids, hidden):
+        return self._timed(self.inner.start, prompt_ids, hidden)
+
+    def draft(self, root_token):
+        return self._timed(self.inner.draft, root_token)
+
+    def accept(self, tokens, hidden):
+        return self._timed(self.inner.accept, tokens, hidden)
+
+
 def drafting(args) -> dict:
     """Drafter share of decoding time at each N: untrained heads (drafting cost does not depend on
     the weights) decode MT-bench first turns losslessly through ``SpeculativeDecoder``; the share is
-    Σ drafter_seconds / Σ seconds over the prompts, sizes interleaved per prompt, parity checked."""
+    Σ drafter_seconds / Σ seconds over the prompts, sizes interleaved per prompt, parity checked.
+    ``--clock cpu`` (default) measures both as process CPU time (:class:`CpuTimedDrafter`), ``wall``
+    takes the decoder's wall-clock stats."""
     import heads
     from core.base_model import load_base_model
     from core.config import compose
@@ -216,16 +248,21 @@ def drafting(args) -> dict:
     refs = [greedy_generate(base, p, args.max_new_tokens, eos)[0] for p in prompts]
     out = {}
     for name in args.draft_heads:
-        decs = {}
+        decs, timed = {}, {}
         for size in args.sizes:
             torch.manual_seed(args.seed)
             head = heads.build(head_cfg(name, size), base, label_counts=counts if size else None).eval()
-            decs[size] = SpeculativeDecoder(base, head.make_drafter(base), eos)
+            timed[size] = CpuTimedDrafter(head.make_drafter(base))
+            decs[size] = SpeculativeDecoder(base, timed[size], eos)
         tot = {size: {"drafter_seconds": 0.0, "seconds": 0.0, "steps": 0} for size in args.sizes}
         for i, p in enumerate(prompts):
             order = list(args.sizes[i % len(args.sizes):]) + list(args.sizes[: i % len(args.sizes)])
             for size in order:
+                timed[size].cpu_seconds = 0.0
+                c0 = time.process_time()
                 toks, st = decs[size].generate(p, args.max_new_tokens)
+                if args.clock == "cpu":  # process CPU time of the drafter calls and of the whole generate
+                    st = dict(st, drafter_seconds=timed[size].cpu_seconds, seconds=time.process_time() - c0)
                 if toks != refs[i]:
                     raise SystemExit(f"parity failure: {name} N={size} prompt {i}")
                 for k in tot[size]:
@@ -236,7 +273,7 @@ def drafting(args) -> dict:
         print(f"{name}: " + ", ".join(f"{k} share {v['drafter_share']:.3f} ({v['drafter_ms_per_step']:.1f} ms/step)"
                                        for k, v in out[name].items()), flush=True)
     return {"prompts": f"{args.prompts} first {len(prompts)} first turns", "max_new_tokens": args.max_new_tokens,
-            "threads": args.threads, "parity": f"{len(prompts)}/{len(prompts)} per head and N", "heads": out}
+            "threads": args.threads, "clock": args.clock, "parity": f"{len(prompts)}/{len(prompts)} per head and N", "heads": out}
 
 
 def coverage(args) -> dict:
@@ -273,7 +310,7 @@ def markdown(res: dict) -> str:
         d = res["drafting"]
         sizes = list(next(iter(d["heads"].values())).keys())
         lines += ["", f"Drafter share of decoding time (untrained heads, default trees, {d['prompts']}, "
-                  f"{d['max_new_tokens']} tokens, {d['threads']} thread(s), wall clock, parity {d['parity']}):", "",
+                  f"{d['max_new_tokens']} tokens, {d['threads']} thread(s), {d.get('clock', 'wall')} time, parity {d['parity']}):", "",
                   "| head | " + " | ".join(f"N={s}" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
         for name, rows in d["heads"].items():
             lines.append(f"| {name} | " + " | ".join(
@@ -294,7 +331,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                   help="cpu: process CPU time per step (robust on a shared machine); wall: wall-clock")
+                   help="cpu: process CPU time per step / per drafter call (robust on a shared machine); wall: wall-clock")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--partial-cache", type=Path, default=None,
                    help="label counts from the finished shards of a cache still being written")

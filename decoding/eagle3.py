@@ -121,40 +121,45 @@ class Eagle3Drafter:
         out = head.forward_cached(head.fuse(self.feats[c:n])[None], toks[None], pos[None],
                                   additive_mask(vis, dtype)[None, None], self.cache)[0]
         passes = 1
-        # node tables (node 0 = root)
+        # node tables (node 0 = root); candidates are read as Python lists, one tolist() per pass
         node_tok, parents, scores, depth_of = [int(root_token)], [-1], [0.0], [0]
         self._node_tok, self._parents = node_tok, parents
-        producer: list[torch.Tensor | None] = [None]  # pre-norm output that produced the node's distribution
-        slot_of: dict[int, int] = {}
+        outs = [out[-1:]]  # outputs of every pass that produced distributions
+        producer: list[tuple[int, int] | None] = [None]  # (pass, row) of the pre-norm output that produced the node
+        anc_slots: list[list[int]] = [[]]  # cache slots of the node's expanded ancestors (root excluded), and its own
         vals, ids = self._topk(out[-1:], [0])
+        vals, ids = vals.tolist(), ids.tolist()
         frontier = []
-        for r in range(vals.shape[1]):
-            node_tok.append(int(ids[0, r])); parents.append(0); scores.append(float(vals[0, r])); depth_of.append(1)
-            producer.append(out[-1]); frontier.append(len(node_tok) - 1)
+        for r in range(len(vals[0])):
+            node_tok.append(ids[0][r]); parents.append(0); scores.append(vals[0][r]); depth_of.append(1)
+            producer.append((0, 0)); anc_slots.append([]); frontier.append(len(node_tok) - 1)
         for d in range(1, self.depth):
             chosen = sorted(frontier, key=lambda u: (-scores[u], u))[: self.topk]
             K = len(chosen)
             base_len = self.cache.get_seq_length()
+            rows, cols = [], []
+            for b, u in enumerate(chosen):
+                slot = base_len + b
+                anc_slots[u] = anc_slots[parents[u]] + [slot]  # the parent was expanded at depth d − 1
+                rows.extend([b] * len(anc_slots[u]))
+                cols.extend(anc_slots[u])
             vis = torch.zeros(K, base_len + K, dtype=torch.bool, device=dev)
             vis[:, :n] = True
-            for b, u in enumerate(chosen):
-                a = parents[u]
-                while a > 0:
-                    vis[b, slot_of[a]] = True
-                    a = parents[a]
-                vis[b, base_len + b] = True
-                slot_of[u] = base_len + b
-            feats = torch.stack([producer[u] for u in chosen])[None]
+            vis[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = True
+            feats = torch.stack([outs[producer[u][0]][producer[u][1]] for u in chosen])[None]
             t = torch.tensor([node_tok[u] for u in chosen], dtype=torch.long, device=dev)[None]
             p = torch.full((1, K), n - 1 + d, dtype=torch.long, device=dev)
             o = head.forward_cached(feats, t, p, additive_mask(vis, dtype)[None, None], self.cache)[0]
             passes += 1
+            outs.append(o)
             vals, ids = self._topk(o, chosen)
+            vals, ids = vals.tolist(), ids.tolist()
             frontier = []
             for b, u in enumerate(chosen):
-                for r in range(vals.shape[1]):
-                    node_tok.append(int(ids[b, r])); parents.append(u); scores.append(scores[u] + float(vals[b, r]))
-                    depth_of.append(d + 1); producer.append(o[b]); frontier.append(len(node_tok) - 1)
+                su, pr = scores[u], (len(outs) - 1, b)
+                for r in range(len(vals[b])):
+                    node_tok.append(ids[b][r]); parents.append(u); scores.append(su + vals[b][r])
+                    depth_of.append(d + 1); producer.append(pr); anc_slots.append(None); frontier.append(len(node_tok) - 1)
         self.cache.crop(n - 1)
         self.kv_len = n - 1
         self.last_passes = passes

@@ -279,6 +279,8 @@ class FalconDrafter:
         self._anchor = [0] + [t.anchor(u) for u in range(1, t.num_nodes)]
         self._slot = [0] + [t.slot(u) for u in range(1, t.num_nodes)]
         self._creators = t.block_creators()
+        # per pass j: the nodes it produces (depths jk+1..(j+1)k), so a pass visits only its own
+        self._pass_nodes = [[u for u in range(1, t.num_nodes) if t.pass_of(u) == j] for j in range(self.passes)]
         self.reset()
 
     # -- protocol --------------------------------------------------------------------------------
@@ -348,7 +350,9 @@ class FalconDrafter:
         lp = torch.log_softmax(head.draft_lm_head(out[0, -k:]).float(), dim=-1)  # [k, N]: draft vocabulary
         top_lp, top_id = lp.topk(K, dim=-1)
         top_id = head.to_base_ids(top_id)  # d2t: draft index → base id
-        block_top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {0: (top_lp.cpu(), top_id.cpu())}
+        # candidates as Python lists ([slot][rank]): the tree is assembled in Python, and one
+        # tolist() per pass replaces a tensor element read per node
+        block_top: dict[int, tuple[list, list]] = {0: (top_lp.tolist(), top_id.tolist())}
         block_range: dict[int, tuple[int, int]] = {}
         block_anc: dict[int, list[int]] = {0: []}
 
@@ -356,18 +360,14 @@ class FalconDrafter:
         node_tok = [int(root_token)] + [0] * (N - 1)
         node_score = [0.0] * N
 
-        def assign(max_depth: int) -> None:
-            for u in range(1, N):
-                d = t.depths[u]
-                if d > max_depth or d <= max_depth - k:
-                    continue
-                a = self._anchor[u]
-                vals, ids = block_top[a]
+        def assign(j: int) -> None:  # the nodes of pass j (depths jk+1..(j+1)k), parents first
+            for u in self._pass_nodes[j]:
+                vals, ids = block_top[self._anchor[u]]
                 s, r = self._slot[u], t.ranks[u]
-                node_tok[u] = int(ids[s, r])
-                node_score[u] = node_score[t.parents[u]] + float(vals[s, r])
+                node_tok[u] = ids[s][r]
+                node_score[u] = node_score[t.parents[u]] + vals[s][r]
 
-        assign(k)
+        assign(0)
         for j, creators in enumerate(self._creators, start=1):
             base_len = cache.get_seq_length()
             nb = len(creators)
@@ -399,12 +399,11 @@ class FalconDrafter:
             passes += 1
             lp = torch.log_softmax(head.draft_lm_head(o).float(), dim=-1)
             top_lp, top_id = lp.topk(K, dim=-1)
-            top_id = head.to_base_ids(top_id)
-            top_lp, top_id = top_lp.cpu(), top_id.cpu()
+            top_lp, top_id = top_lp.tolist(), head.to_base_ids(top_id).tolist()
             for b, u in enumerate(creators):
                 block_feats[u] = o[b]
                 block_top[u] = (top_lp[b], top_id[b])
-            assign((j + 1) * k)
+            assign(j)
         # keep only slots computed from true features, and of those only the complete blocks: the
         # root block [n−k, n) is recomputed by the next step of this alignment, as an inner block
         cache.crop(n - k)

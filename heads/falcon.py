@@ -254,22 +254,32 @@ class FalconHead(DraftHead):
             scale = scale * 512.0 / max(int(valid.sum(-1).max()), 1)
         return f + (torch.rand_like(f) * 2.0 - 1.0) * scale
 
-    def _loss_on(self, pred: torch.Tensor, inp: dict[str, torch.Tensor], mask: torch.Tensor):
+    def _loss_on(self, pred: torch.Tensor, inp: dict[str, torch.Tensor], mask: torch.Tensor,
+                 teacher: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None):
         """Loss over the ``mask`` positions.  Out-of-vocabulary rule (draft vocabulary, issue 13):
         student and teacher logits are over the draft vocabulary, so the KL teacher is restricted
         to it and renormalised; a position whose greedy label is outside it leaves the CE term
-        (``ce_mask``) and counts as a top-1 miss."""
+        (``ce_mask``) and counts as a top-1 miss.
+
+        ``teacher`` [M, N] float32 (M = ``mask.sum()``, rows in ``pred[mask]`` order) and its
+        argmax ``teacher_ids`` [M] long may be passed when the caller already scored the target
+        features W f_{t+k} (the glancing pass does): the frozen teacher is then not recomputed.
+        """
         sel_pred = pred[mask]
         sel_tgt = inp["F_tgt"][mask]
         in_vocab = inp["in_vocab"][mask]
         student = self.logits_fp32(sel_pred)
-        teacher = self.logits_fp32(sel_tgt)
+        if teacher is None:
+            with torch.no_grad():  # frozen W, data features: the teacher carries no gradient
+                teacher = self.logits_fp32(sel_tgt)
+        if teacher_ids is None:
+            teacher_ids = teacher.argmax(-1)
         L = self.cfg["loss"]
         loss, parts = falcon_loss(sel_pred, sel_tgt, student, teacher,
                                   torch.ones(sel_pred.shape[0], dtype=torch.bool, device=pred.device),
                                   alpha=float(L["alpha"]), omega=float(L["omega"]), beta=float(L["beta"]),
-                                  ce_mask=in_vocab)
-        hit = (student.argmax(-1) == teacher.argmax(-1)) & in_vocab  # [M] top-1 agreement per loss position
+                                  ce_mask=in_vocab, teacher_ids=teacher_ids)
+        hit = (student.detach().argmax(-1) == teacher_ids) & in_vocab  # [M] top-1 agreement per loss position
         acc = hit.float().mean() if sel_pred.shape[0] else student.new_zeros(())
         return loss, parts, acc, student, hit
 
@@ -294,24 +304,34 @@ class FalconHead(DraftHead):
         g = self.cfg["glancing"]
         lam = glancing_ratio(g, progress) if g["enabled"] else 0.0
         glanced = 0
+        teacher = teacher_ids = None
         if lam > 0 and bool(mask.any()):
             with torch.no_grad():
                 pred_a = self.forward_train(F_in, X_in, valid)
+                # the teacher W f_{t+k} is frozen and reads data features only, so pass A's scores
+                # serve pass B's loss too (rows of R are dropped below): computed once per step
+                teacher = self.logits_fp32(inp["F_tgt"][mask])  # [M, N]
+                teacher_ids = teacher.argmax(-1)
+                in_vocab = inp["in_vocab"][mask]
+                wrong_m = ~in_vocab  # an out-of-vocabulary target is a miss whatever the student drafts,
+                student = self.logits_fp32(pred_a[mask][in_vocab])  # so only in-vocabulary rows are scored
+                wrong_m[in_vocab] = student.argmax(-1) != teacher_ids[in_vocab]
                 wrong = torch.zeros_like(mask)
-                student = self.logits_fp32(pred_a[mask])
-                teacher = self.logits_fp32(inp["F_tgt"][mask])
-                wrong[mask] = (student.argmax(-1) != teacher.argmax(-1)) | ~inp["in_vocab"][mask]
+                wrong[mask] = wrong_m
                 distance = wrong.sum(-1)
+                del pred_a, student
             R, _ = glancing_positions(mask, distance, lam, self.k)
             F_in = torch.where(R[..., None], inp["F_tgt"], F_in)
             X_in = torch.where(R, inp["G"], X_in)
             if not g["glanced_in_loss"]:
+                keep = ~R[mask]  # pass B's loss rows among pass A's (both in row-major mask order)
+                teacher, teacher_ids = teacher[keep], teacher_ids[keep]
                 mask = mask & ~R
             glanced = int(R.sum())
             metrics["hamming"] = float(distance.float().mean())
         pred = self.forward_train(F_in, X_in, valid)
         inp_b = dict(inp, F_in=F_in, X_in=X_in)
-        loss, parts, acc, _, _ = self._loss_on(pred, inp_b, mask)
+        loss, parts, acc, _, _ = self._loss_on(pred, inp_b, mask, teacher=teacher, teacher_ids=teacher_ids)
         if not bool(mask.any()):
             loss = loss + 0.0 * pred.sum()  # keep the graph connected (DDP) on an empty batch
         metrics.update({"loss": float(loss.detach()), "loss_reg": float(parts["reg"]), "kl": float(parts["kl"]),

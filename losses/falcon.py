@@ -34,6 +34,7 @@ def falcon_loss(
     omega: float = 0.1,
     beta: float = 1.0,
     ce_mask: torch.Tensor | None = None,
+    teacher_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Falcon's loss (METHODS.md §1.3 [P] with the Rec.: true KL at temperature 1, argmax teacher).
 
@@ -55,6 +56,8 @@ def falcon_loss(
             ``mask & ce_mask``).  Draft-vocabulary rule (issue 13, as EAGLE-3): with logits over
             the draft vocabulary only, the KL teacher is restricted to it and renormalised, and a
             position whose greedy label lies outside it is dropped from CE (``ce_mask`` False).
+        teacher_ids: optional [...] long, ``teacher_logits.argmax(-1)`` when the caller already has
+            it (Falcon's glancing pass); it must equal that argmax (not checked, to save a pass over V).
 
     Returns:
         ``(loss, parts)``: the scalar fp32 loss and ``{"reg", "kl", "ce"}`` scalar fp32 tensors
@@ -74,7 +77,7 @@ def falcon_loss(
     logq = F.log_softmax(student_logits.float(), dim=-1)
     logp = F.log_softmax(teacher_logits.float(), dim=-1)
     kl = F.kl_div(logq, logp, reduction="none", log_target=True).sum(-1)  # Σ p (log p − log q)
-    y = teacher_logits.argmax(-1)
+    y = teacher_logits.argmax(-1) if teacher_ids is None else teacher_ids
     ce = -logq.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     ce_keep = mask if ce_mask is None else mask & ce_mask.bool()
     reg_m, kl_m, ce_m = _masked_mean(reg, mask), _masked_mean(kl, mask), _masked_mean(ce, ce_keep)
