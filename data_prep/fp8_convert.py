@@ -303,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("cache_out", help="the fp8 copy to write (new, empty, or an earlier conversion to resume)")
     args = p.parse_args(argv)
     try:
-        convert_cache(args.cache_in, args.cache_out)
+        convert_cache(args.cache_in, args.cache_out, out=sys.stdout)
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
