@@ -57,8 +57,9 @@ def _check_source(src: Path) -> dict[str, dict[str, Any]]:
     """The manifests of ``src``'s splits, after checking the source is a complete, intact, non-fp8 cache.
 
     Raises:
-        UserInputError: a split has no ``manifest.json``, an unknown format, a missing shard or a
-            shard whose sha256 differs from its manifest entry, or it is already fp8 (names the file).
+        UserInputError: a split has no ``manifest.json``, an unknown format, a shard not named
+            ``shard-<k>``, a missing shard or a shard whose sha256 differs from its manifest entry,
+            or it is already fp8 (names the file).
     """
     if not src.is_dir():
         raise UserInputError(f"source cache {src} is not a directory")
@@ -73,7 +74,10 @@ def _check_source(src: Path) -> dict[str, dict[str, Any]]:
         stored = (manifest.get("dtypes") or {}).get("hidden")
         if stored == FP8_NAME or "hidden_scale" in (manifest.get("dtypes") or {}):
             raise UserInputError(f"{mpath}: the cache is already stored in {FP8_NAME}; nothing to convert")
-        for entry in manifest["shards"]:
+        for k, entry in enumerate(manifest["shards"]):
+            if entry["file"] != f"{cache_mod.shard_name(k)}.safetensors":
+                raise UserInputError(f"{mpath}: shard {k} is {entry['file']!r}, expected "
+                                     f"{cache_mod.shard_name(k)}.safetensors")
             path = src / split / entry["file"]
             if not path.is_file():
                 raise UserInputError(f"{path} listed in {mpath} is missing")
@@ -226,9 +230,6 @@ def convert_cache(src: str | Path, dst: str | Path, out=sys.stdout) -> dict[str,
         ddir.mkdir(parents=True, exist_ok=True)
         converted = 0
         for k, entry in enumerate(manifest["shards"]):
-            if entry["file"] != f"{cache_mod.shard_name(k)}.safetensors":
-                raise UserInputError(f"{sdir / cache_mod.MANIFEST}: shard {k} is {entry['file']!r}, "
-                                     f"expected {cache_mod.shard_name(k)}.safetensors")
             if cache_mod.finished_entry(ddir, k, chash) is not None:
                 continue
             tensors, ids, errs = convert_shard(sdir / entry["file"])
