@@ -26,7 +26,9 @@ Given a bf16 (or fp16 / fp32) data-prep cache, the benchmark
 Usage (the README's figures)::
 
     python benchmarks/bench_fp8_tau.py --cache /work/outputs/cache/real_tf640 \\
-        --fp8-cache /work/outputs/fp8_tf640 --head ctc --steps 200
+        --fp8-cache /work/outputs/fp8_tf640 --head ctc --steps 150
+    # part 2 only, for a head you trained already (its heads= option):
+    python benchmarks/bench_fp8_tau.py --cache CACHE --fp8-cache CACHE_FP8 --head ctc --head-dir outputs/runs/ctc/<run>/best
 
 Prints a Markdown table; writes it and the JSON to ``--out``.
 """
@@ -167,6 +169,8 @@ def main(argv=None) -> dict:
     p.add_argument("--model-path", default=None, help="HF folder / GGUF (default: the packaged SmolLM2-135M)")
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "bench" / "fp8_tau_work")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "fp8_tau")
+    p.add_argument("--head-dir", type=Path, default=None,
+                   help="an exported head (best/ or last/): skip training, only validate it on both splits (part 2)")
     p.add_argument("override", nargs="*", help="extra config overrides (key=value) for both runs")
     args = p.parse_args(argv)
 
@@ -180,8 +184,18 @@ def main(argv=None) -> dict:
     caches = {"source": args.cache, "fp8": args.fp8_cache}
     base = None
     runs: dict[str, dict[str, Any]] = {}
-    order: dict[str, list] = {}
+    order: dict[str, list] = {"source": [], "fp8": []}
+    if args.head_dir is not None:  # part 2 only, on a head trained elsewhere
+        import heads
+
+        cfg = _compose(args, args.cache, "unused")
+        base = load_base_model(cfg.model)
+        head, _ = heads.load(args.head_dir, base_model=base[0])
+        runs["given"] = {"head": head, "logged": {}, "seconds": 0.0, "cfg": cfg, "run_dir": str(args.head_dir),
+                         "steps": None}
     for name, cache in caches.items():
+        if args.head_dir is not None:
+            break
         cfg = _compose(args, cache, f"fp8tau-{args.head}-{name}")
         base = base or load_base_model(cfg.model)
         run_dir = Path(cfg.output_root) / "runs"
@@ -195,29 +209,31 @@ def main(argv=None) -> dict:
         module = result["module"]
         runs[name] = {"head": module.head, "logged": dict(module.validation_results), "seconds": seconds,
                       "cfg": cfg, "run_dir": str(result["run_dir"]), "steps": int(result["trainer"].global_step)}
-    if order["source"] != order["fp8"] or len(order["source"]) != args.steps:
+    if order["source"] != order["fp8"] or (args.head_dir is None and len(order["source"]) != args.steps):
         raise RuntimeError("the two runs saw different training batches")
     # 2 x 2: each trained head on each held-out split
     dms = {}
     for name, cache in caches.items():
-        dms[name] = _cache_datamodule(runs[name]["cfg"], base[1], base[2].to_dict())
+        dms[name] = _cache_datamodule(_compose(args, cache, "unused"), base[1], base[2].to_dict())
         dms[name].setup()
     matrix: dict[str, dict[str, dict[str, float]]] = {}
-    for trained in caches:
+    for trained in runs:
         head = runs[trained]["head"]
         ref_vals, ref_arg, slots = validate(head, dms["source"])
         fp8_vals, fp8_arg, _ = validate(head, dms["fp8"])
         fp8_vals.update(agreement(ref_arg, fp8_arg, slots))
         matrix[trained] = {"source": ref_vals, "fp8": fp8_vals}
-    for name in caches:  # the loop above is the trainer's validation: the diagonal must match its log
-        logged, mine = runs[name]["logged"], matrix[name][name]
+    for name in runs:  # the loop above is the trainer's validation: the diagonal must match its log
+        logged, mine = runs[name]["logged"], matrix[name].get(name, {})
         for key, v in logged.items():
             if abs(v - mine[key]) > 1e-4 * max(1.0, abs(v)):
                 raise RuntimeError(f"{name}: val/{key} logged {v} but recomputed {mine[key]}")
     src_dtype = json.loads((args.cache / "val" / "manifest.json").read_text())["dtypes"]["hidden"]
-    slot_keys = sorted(k for k in matrix["source"]["source"] if k.startswith("top1_slot"))
-    agree_keys = sorted(k for k in matrix["source"]["fp8"] if k.startswith("agree_slot"))
-    result = {"head": args.head, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+    first = next(iter(matrix.values()))
+    slot_keys = sorted(k for k in first["source"] if k.startswith("top1_slot"))
+    agree_keys = sorted(k for k in first["fp8"] if k.startswith("agree_slot"))
+    result = {"head": args.head, "steps": args.steps if args.head_dir is None else None,
+              "head_dir": str(args.head_dir) if args.head_dir else None, "batch_size": args.batch_size, "lr": args.lr,
               "warmup": args.warmup, "seed": args.seed, "source_cache": str(args.cache), "source_dtype": src_dtype,
               "fp8_cache": str(args.fp8_cache), "convert_seconds": convert_s,
               "bytes_per_token": {"source": conv["source_bytes_per_token"], "fp8": conv["bytes_per_token"]},
@@ -226,22 +242,25 @@ def main(argv=None) -> dict:
               "val_conversations": len(dms["source"].val_reader), "matrix": matrix}
     fmt = lambda v: f"{v:.4f}"  # noqa: E731
     cols = ["sim_tau", "loss", *slot_keys]
-    lines = [f"| {args.head}, {args.steps} steps: trained on → validated on | " + " | ".join(cols) + " | "
+    what = f"{args.steps} steps" if args.head_dir is None else str(args.head_dir)
+    lines = [f"| {args.head}, {what}: trained on → validated on | " + " | ".join(cols) + " | "
              + " | ".join(agree_keys) + " |",
              "|---|" + "---|" * (len(cols) + len(agree_keys))]
-    for trained in caches:
+    for trained in runs:
         for val in caches:
             vals = matrix[trained][val]
             agree = [fmt(vals[k]) if k in vals else "" for k in agree_keys]
-            lines.append(f"| {trained} ({src_dtype if trained == 'source' else 'fp8'}) → {val} | "
+            what = {"source": src_dtype, "fp8": "fp8"}.get(trained, args.head_dir)
+            lines.append(f"| {trained} ({what}) → {val} | "
                          + " | ".join(fmt(vals[c]) for c in cols) + " | " + " | ".join(agree) + " |")
     table = "\n".join(lines)
     print(table)
     print(f"bytes/token {conv['source_bytes_per_token']:.1f} -> {conv['bytes_per_token']:.1f}; "
           f"train seconds {result['train_seconds']}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"bench_fp8_tau_{args.head}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"bench_fp8_tau_{args.head}.md").write_text(table + "\n")
+    tag = args.head if args.head_dir is None else f"{args.head}_given"
+    (args.out / f"bench_fp8_tau_{tag}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"bench_fp8_tau_{tag}.md").write_text(table + "\n")
     return result
 
 

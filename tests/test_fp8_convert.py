@@ -279,3 +279,13 @@ def test_bench_fp8_tau_runs_on_a_tiny_cache(source, tmp_path):
             assert m[trained][val]["sim_tau"] >= 1.0 and 0.0 <= m[trained][val]["top1_slot0"] <= 1.0
     assert 0.8 < m["source"]["fp8"]["agree_slot0"] <= 1.0
     assert (tmp_path / "out" / "bench_fp8_tau_falcon_k1.json").is_file()
+    # part 2 alone on the exported head of the source run reproduces that row
+    run = tmp_path / "work" / "runs" / "falcon_k1" / "fp8tau-falcon_k1-source" / "last"
+    given = _bench().main(["--cache", str(source[0]), "--fp8-cache", str(tmp_path / "fp8"), "--head", "falcon_k1",
+                           "--head-dir", str(run), "--batch-size", "4", "--model-path", str(source[1].model.path),
+                           "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "model.dtype=float32",
+                           "heads.attn_implementation=eager"])
+    assert set(given["matrix"]) == {"given"}
+    for val in ("source", "fp8"):
+        for key, v in m["source"][val].items():
+            assert given["matrix"]["given"][val][key] == pytest.approx(v, rel=1e-5, abs=1e-6), (val, key)
