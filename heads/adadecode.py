@@ -187,6 +187,23 @@ class AdaDecodeHead(DraftHead):
         hidden = batch["hidden"][mask]
         return hidden, {layer: aux[layer][mask] for layer in self.layers}, batch["labels"][mask]
 
+    def _chunk_starts(self, n: int, device) -> range:
+        """Start offsets of the ``chunk_tokens`` chunks over ``n`` tokens, agreed across ranks.
+
+        Under ZeRO-3 every forward of the head's layers gathers their partitioned parameters with
+        a collective, so every rank must run the same number of chunk forwards: a rank with fewer
+        tokens than another runs its extra chunks empty (0 rows, KL 0).  Without a process group
+        (or with one rank) this is just ``range(0, n, chunk_tokens)``."""
+        step = int(self.cfg["chunk_tokens"])
+        chunks = -(-n // step)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([chunks], dtype=torch.long, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            chunks = int(t.item())
+        return range(0, chunks * step, step)
+
     def _chunk_stats(self, hidden: torch.Tensor, *aux: torch.Tensor, want_preds: bool = False):
         """KL per layer (sum over the chunk) and, if ``want_preds``, confidence / argmax per token.
         Everything in float32 with autocast off (METHODS §3.3: the KL in fp32)."""
@@ -219,7 +236,7 @@ class AdaDecodeHead(DraftHead):
         n = hidden.shape[0]
         kl_sum = hidden.new_zeros(len(self.layers), dtype=torch.float32)
         step = int(self.cfg["chunk_tokens"])
-        for s in range(0, n, step):
+        for s in self._chunk_starts(n, hidden.device):
             args = (hidden[s:s + step], *[aux[layer][s:s + step] for layer in self.layers])
             if torch.is_grad_enabled():
                 kl_sum = kl_sum + checkpoint(self._chunk_stats, *args, use_reentrant=False)
@@ -267,7 +284,7 @@ class AdaDecodeHead(DraftHead):
         confs = torch.empty(nl, n, device=dev)
         args = torch.empty(nl, n, dtype=torch.long, device=dev)
         step = int(self.cfg["chunk_tokens"])
-        for s in range(0, n, step):
+        for s in self._chunk_starts(n, dev):
             k, c, a, _ = self._chunk_stats(hidden[s:s + step], *[aux[layer][s:s + step] for layer in self.layers],
                                            want_preds=True)
             kl_sum += k

@@ -186,3 +186,34 @@ def test_save_load_roundtrip(model, tmp_path):
     assert meta["head"]["param_counts"]["per_head"] == model.config.hidden_size ** 2
     assert sorted(loaded.state_dict()) == ["transforms.1.weight", "transforms.2.weight", "transforms.3.weight"]
     assert torch.equal(loaded.transforms["2"].weight, head.transforms["2"].weight)
+
+
+def test_every_rank_runs_the_same_number_of_chunk_forwards(model, monkeypatch):
+    """Under ZeRO-3 each chunk forward gathers the head's parameters with a collective, so a rank
+    with fewer tokens must run as many chunk forwards as the rank with the most (the extra ones
+    empty): with another rank holding 40 tokens (10 chunks of 4), this rank's 16 tokens run 10
+    chunk forwards in training and validation, and the loss and metrics are unchanged."""
+    head = make_head(model, chunk_tokens=4)
+    batch, _, _ = make_batch(model)
+    loss0, metrics0 = head.training_loss(batch, Progress())
+    val0 = head.validation_metrics(batch)
+    n = int(batch["loss_mask"].sum())
+    assert list(head._chunk_starts(n, "cpu")) == list(range(0, n, 4))  # no process group: local chunks
+
+    import torch.distributed as dist
+
+    def all_reduce(t, op=None):
+        t.copy_(torch.maximum(t, torch.tensor([10])))  # the other rank's 40 tokens -> 10 chunks
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    calls = []
+    real = head._chunk_stats
+    monkeypatch.setattr(head, "_chunk_stats", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k))[1])
+    loss, metrics = head.training_loss(batch, Progress())
+    assert calls == [4] * (n // 4) + [n % 4] + [0] * (10 - n // 4 - 1)
+    assert float(loss.detach()) == pytest.approx(float(loss0.detach()), rel=1e-6) and metrics == pytest.approx(metrics0, rel=1e-6)
+    calls.clear()
+    val = head.validation_metrics(batch)
+    assert len(calls) == 10 and all(torch.allclose(val[k], val0[k]) for k in val0)
