@@ -47,6 +47,18 @@ def test_auto_trees_keep_parity_for_every_tree_head(tiny_base, tiny_model_dir, t
     monkeypatch.setattr(AcceptanceStats, "rank_acceptance", lambda self: [[0.7, 0.2, 0.05]] * 8)
     planted = {1: 1.0, 2: 1.6, 3: 1.9, 4: 2.3, 6: 2.6, 8: 2.8}
     monkeypatch.setattr(AcceptanceStats, "budget_tau", lambda self: planted)
+    # a planted cost model too (c(n) = 1 s + 1 ms per node): a measured one on a loaded machine can make
+    # one tree size look dear and the search pick the root alone (seen in CI under load)
+    import evaluation.tree_auto as tree_auto
+
+    real_measure = tree_auto.load_or_measure
+
+    def planted_cost(*args, **kwargs):
+        cost = real_measure(*args, **kwargs)
+        cost.verify_ms = [1000.0 + n for n in cost.sizes]
+        return cost
+
+    monkeypatch.setattr(tree_auto, "load_or_measure", planted_cost)
     extra = ["heads.layers=[1,2,3]"] if head == "eagle3" else []  # the tiny base has 4 layers
     cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, head, f"eval.tree={mode}", *extra)
     _save_head(cfg, tiny_base, tmp_path)
