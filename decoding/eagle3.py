@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import torch
 
-from decoding.falcon import DraftKVCache
+from decoding.falcon import CommittedFeatures, DraftKVCache
 from heads.falcon import additive_mask
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(CommittedFeatures):
     """EAGLE-3 tree drafter (module docstring).
 
     Args:
@@ -68,23 +68,12 @@ class Eagle3Drafter:
     def _device(self) -> torch.device:
         return self.head.fc.weight.device
 
-    def start(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        """After prefill: prompt_ids [T] long, hidden [T, 3H] (hs at the feature layers, concatenated)."""
-        prompt_ids = torch.as_tensor(prompt_ids).reshape(-1)
+    def _check_start(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """``hidden`` must be [T, 3H]: hs at the feature layers, concatenated (start/accept are
+        :class:`decoding.falcon.CommittedFeatures`')."""
         if hidden.dim() != 2 or hidden.shape[0] != prompt_ids.numel() or hidden.shape[1] != 3 * self.head.hidden_size:
             raise ValueError(f"start: hidden {tuple(hidden.shape)} is not [{prompt_ids.numel()}, 3·{self.head.hidden_size}] "
                              f"(the runtime must pass hs{self.feature_layers})")
-        self.reset()
-        self.tokens = [int(x) for x in prompt_ids.tolist()]
-        self.feats = hidden.detach().to(self._device, self.head.compute_dtype)
-
-    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """After verification: tokens [A+1] (root + accepted), hidden [A+1, 3H]."""
-        tokens = torch.as_tensor(tokens).reshape(-1)
-        if hidden.shape[0] != tokens.numel():
-            raise ValueError(f"accept: {tokens.numel()} tokens but hidden {tuple(hidden.shape)}")
-        self.tokens.extend(int(x) for x in tokens.tolist())
-        self.feats = torch.cat([self.feats, hidden.detach().to(self.feats.device, self.feats.dtype)], dim=0)
 
     def _topk(self, h: torch.Tensor, nodes: list[int]):
         """Top-``topk`` of the next-token distribution of each expanded node.

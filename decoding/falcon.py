@@ -249,7 +249,39 @@ class DraftKVCache:
 # ---------------------------------------------------------------------------------------------
 # Drafter
 # ---------------------------------------------------------------------------------------------
-class FalconDrafter:
+class CommittedFeatures:
+    """The committed context a feature-level drafter keeps between steps (Falcon, EAGLE-3):
+    ``tokens`` (list of ids) and ``feats`` [T, F] one base feature row per committed token, in the
+    head's compute dtype on its device.  A subclass defines ``reset()`` (which must clear both),
+    ``_device`` and, if its feature width is fixed, :meth:`_check_start`."""
+
+    def _check_start(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Raises ValueError unless ``hidden`` is [T, F] with T = len(prompt_ids)."""
+        if hidden.dim() != 2 or hidden.shape[0] != prompt_ids.numel():
+            raise ValueError(f"start: hidden {tuple(hidden.shape)} does not match prompt length {prompt_ids.numel()}")
+
+    def start(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """After prefill: prompt_ids [T] long, hidden [T, F] their features (the drafter resets)."""
+        prompt_ids = torch.as_tensor(prompt_ids).reshape(-1)
+        self._check_start(prompt_ids, hidden)
+        self.reset()
+        self.tokens = [int(x) for x in prompt_ids.tolist()]
+        self.feats = hidden.detach().to(self._device, self.head.compute_dtype)
+
+    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """After verification: tokens [A+1] (root + accepted), hidden [A+1, F] their features.
+
+        Raises:
+            ValueError: ``hidden`` has another row count than ``tokens``.
+        """
+        tokens = torch.as_tensor(tokens).reshape(-1)
+        if hidden.shape[0] != tokens.numel():
+            raise ValueError(f"accept: {tokens.numel()} tokens but hidden {tuple(hidden.shape)}")
+        self.tokens.extend(int(x) for x in tokens.tolist())
+        self.feats = torch.cat([self.feats, hidden.detach().to(self.feats.device, self.feats.dtype)], dim=0)
+
+
+class FalconDrafter(CommittedFeatures):
     """Falcon's tree drafter for :class:`decoding.speculative.SpeculativeDecoder` (see module doc).
 
     Args:
@@ -293,23 +325,6 @@ class FalconDrafter:
         self.last_passes = 0
         self.total_passes = 0
         self.steps = 0
-
-    def start(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        """After prefill: prompt_ids [T] long, hidden [T, H] = f_0..f_{T−1}."""
-        prompt_ids = torch.as_tensor(prompt_ids).reshape(-1)
-        if hidden.dim() != 2 or hidden.shape[0] != prompt_ids.numel():
-            raise ValueError(f"start: hidden {tuple(hidden.shape)} does not match prompt length {prompt_ids.numel()}")
-        self.reset()
-        self.tokens = [int(x) for x in prompt_ids.tolist()]
-        self.feats = hidden.detach().to(self._device, self.head.compute_dtype)
-
-    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """After verification: tokens [A+1] (root + accepted), hidden [A+1, H] their features."""
-        tokens = torch.as_tensor(tokens).reshape(-1)
-        if hidden.shape[0] != tokens.numel():
-            raise ValueError(f"accept: {tokens.numel()} tokens but hidden {tuple(hidden.shape)}")
-        self.tokens.extend(int(x) for x in tokens.tolist())
-        self.feats = torch.cat([self.feats, hidden.detach().to(self.feats.device, self.feats.dtype)], dim=0)
 
     @property
     def _device(self) -> torch.device:
