@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from omegaconf import OmegaConf
 
 from core.io import atomic_write_json, sha256_file, sha256_json
 from decoding.cost_model import CostModel, check_grid, load_or_measure
@@ -181,6 +182,10 @@ def _eagle3_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[
     return choice.to_dict() | {"decoding": dec}, {"decoding": dec}, None
 
 
+# head type -> (the eval key that fixes its tree explicitly, what it fixes); set, it wins over auto / dynamic
+EXPLICIT_TREE_KEYS = {"falcon": ("falcon_tree", "tree"), "ctc": ("max_nodes", "tree"),
+                      "eagle3": ("decoding.total_tokens", "budget")}
+
 # head type -> (setup(head, eval) -> dict with calibration_kwargs, choose(setup, stats, cost, eval))
 PLANNERS: dict[str, tuple[Callable, Callable]] = {"falcon": (_falcon_setup, _falcon_choose), "ctc": (_ctc_setup, _ctc_choose),
                                                   "eagle3": (_eagle3_setup, _eagle3_choose)}
@@ -216,17 +221,11 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     check_grid(ev.tree_grid)
     if ev.get("tree_nodes") is not None and int(ev.tree_nodes) < 1:
         raise ValueError(f"eval.tree_nodes={ev.tree_nodes} must be >= 1 (root included)")
-    fixed = {"falcon": "falcon_tree", "ctc": "max_nodes"}.get(head_type)
-    if head_type == "eagle3" and _eval_decoding(ev).get("total_tokens") is not None:
-        fixed = "decoding.total_tokens"
-        log.warning("eval.decoding.total_tokens is set: using it, not eval.tree=%s", mode)
+    key, what = EXPLICIT_TREE_KEYS.get(head_type, (None, None))
+    if key and OmegaConf.select(ev, key, default=None) is not None:  # the user chose it explicitly: it wins over auto
+        log.warning("eval.%s is set: using it, not eval.tree=%s", key, mode)
         info["tree_choice"] = {"mode": mode, "applied": False,
-                               "reason": f"eval.{fixed} given explicitly: that budget is used (unset it to size the tree)"}
-        return decoder, info
-    if fixed and ev.get(fixed) is not None:  # the user chose the tree explicitly: it wins over auto
-        log.warning("eval.%s is set: using it, not eval.tree=%s", fixed, mode)
-        info["tree_choice"] = {"mode": mode, "applied": False,
-                               "reason": f"eval.{fixed} given explicitly: that tree is used (unset it to size the tree)"}
+                               "reason": f"eval.{key} given explicitly: that {what} is used (unset it to size the tree)"}
         return decoder, info
     head = drafter.head
     setup_fn, choose_fn = PLANNERS[head_type]

@@ -211,3 +211,10 @@ def test_explicit_tree_keys_win_over_auto(tiny_base, tiny_model_dir, tmp_path, s
     assert rep["tree"]["applied"] is False and "eval.max_nodes given explicitly" in rep["tree"]["reason"]
     assert rep["parity"]["matched"] == 2
     assert all(p["stats"]["tree_nodes"] <= 4 * p["stats"]["steps"] for p in rep["per_prompt"])
+    # EAGLE-3: an explicit eval.decoding.total_tokens is its budget, kept over auto
+    cfg = _cfg(tiny_model_dir, tmp_path / "e3", sharegpt, "eagle3", "heads.layers=[1,2,3]", "eval.decoding={total_tokens: 3}")
+    _save_head(cfg, tiny_base, tmp_path / "e3")
+    rep = run_evaluation(cfg, base=tiny_base)
+    assert rep["tree"]["applied"] is False and "eval.decoding.total_tokens given explicitly: that budget" in rep["tree"]["reason"]
+    assert rep["parity"]["matched"] == 2
+    assert all(p["stats"]["tree_nodes"] <= 3 * p["stats"]["steps"] for p in rep["per_prompt"])
