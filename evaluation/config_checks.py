@@ -13,7 +13,7 @@ def _eval_checks(cfg: DictConfig) -> None:
     check_range(cfg, "eval.max_new_tokens", 1, None)
     if not isinstance(cfg.eval.max_new_tokens, int):
         raise ConfigError(f"eval.max_new_tokens={cfg.eval.max_new_tokens!r} must be an integer")
-    for key in ("num_prompts", "max_prompt_tokens", "threads", "prompts_per_category"):
+    for key in ("num_prompts", "max_prompt_tokens", "threads", "plan_threads", "prompts_per_category"):
         if OmegaConf.select(cfg, f"eval.{key}") is not None:
             check_range(cfg, f"eval.{key}", 1, None)
     check_range(cfg, "eval.warmup", 0, None)

@@ -222,8 +222,8 @@ def make_figure(report: dict[str, Any]):
 _NAME_OK = re.compile(r"[^A-Za-z0-9._=,+-]+")
 # eval keys that define the shared reference run (prompts, lengths, dtype, device, sampling), not a method
 SHARED_EVAL_KEYS = frozenset({"variants", "prompts", "prompt_field", "num_prompts", "prompt_offset", "max_new_tokens",
-                              "max_prompt_tokens", "dtype", "device", "threads", "warmup", "output_dir",
-                              "fail_on_mismatch", "temperature", "allow_other_base", "turns", "repeats",
+                              "max_prompt_tokens", "dtype", "device", "threads", "plan_threads", "warmup",
+                              "output_dir", "fail_on_mismatch", "temperature", "allow_other_base", "turns", "repeats",
                               "prompts_per_category"})
 
 

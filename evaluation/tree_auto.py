@@ -7,8 +7,14 @@ Inputs (issue 14):
   **calibration pass** on held-out ShareGPT first turns — never on the evaluation prompts (ids and
   token ids of the evaluation prompts are excluded) — with the head's own drafter and a wide
   calibration tree; cached under ``<output_root>/calibration/`` per (checkpoint weights, head
-  config, calibration tree, prompts, device, dtype, threads).  The drafter's seconds per pass come
-  from the same pass.
+  config, calibration tree, prompts, device, dtype).  Acceptance does not depend on the thread
+  count; the drafter's seconds per pass do, so they are kept in the same file per thread count:
+  from the calibration pass itself, or, for another thread count, from a short timed decode of the
+  first :data:`DRAFTER_COST_PROMPTS` calibration prompts (:func:`drafter_cost`).
+
+The tree is sized for ``eval.plan_threads`` threads (null = the run's own): the cost model and the
+drafter's cost are measured (or read from the cache) at that count.  A τ/parity run on one thread
+per shard can so decode with exactly the tree that a timing run on all cores chooses.
 
 Per head type (a planner per type; a new tree head registers one in :data:`PLANNERS`):
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,6 +52,7 @@ from decoding.tree_search import (AcceptanceStats, RecordingDrafter, ScoreBudget
 
 log = logging.getLogger(__name__)
 TREE_MODES = ("auto", "dynamic", "config")
+DRAFTER_COST_PROMPTS = 4  # calibration prompts timed for the drafter's cost at a thread count not calibrated at
 
 
 class CalibrationError(ValueError):
@@ -108,6 +116,33 @@ def calibrate(model, drafter, prompts, max_new_tokens: int, eos_ids, budget_size
         stats.drafter_passes += int(st["drafter_passes"])
         stats.drafter_seconds += float(st["drafter_seconds"])
     return stats
+
+
+@contextmanager
+def planning_threads(threads: int | None):
+    """``torch.set_num_threads(threads)`` inside the block (restored after); a no-op for None."""
+    if not threads:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def drafter_cost(model, drafter, prompts, max_new_tokens: int, eos_ids) -> dict[str, float]:
+    """The drafter's measured cost on ``prompts`` at the current thread count: ``{"passes": P,
+    "seconds": S, "prompts": n}`` (seconds of drafter forwards, from the decoder's own
+    ``drafter_seconds``; the outputs are lossless speculative decoding and are discarded)."""
+    dec = SpeculativeDecoder(model, drafter, eos_ids)
+    passes, seconds = 0, 0.0
+    for p in prompts:
+        _, st = dec.generate(p.input_ids, max_new_tokens)
+        passes += int(st["drafter_passes"])
+        seconds += float(st["drafter_seconds"])
+    return {"passes": passes, "seconds": seconds, "prompts": len(prompts)}
 
 
 def _spine_tree(depth: int, rank: int) -> dict:
@@ -198,7 +233,8 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     reference drafters.
 
     An explicit ``eval.falcon_tree`` (Falcon) or ``eval.max_nodes`` (CTC) wins over ``auto`` /
-    ``dynamic``: that tree is used and the report says so.
+    ``dynamic``: that tree is used and the report says so.  The tree is sized for
+    ``eval.plan_threads`` threads when set (module doc), else for the run's thread count.
 
     Raises:
         ValueError: an unknown ``eval.tree``, an empty ``eval.tree_grid``, a ``tree_nodes`` that is not
@@ -233,30 +269,11 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     root = Path(str(cfg.get("output_root") or "outputs"))
     prompts = calibration_prompts(cfg, tokenizer, eval_prompts, int(ev.calibration_prompts))
     grid = check_grid(ev.tree_grid)
-    cost = load_or_measure(model, identity, root, grid, int(ev.cost_context_tokens))
     max_new = int(ev.get("calibration_max_new_tokens") or ev.max_new_tokens)
-    ckpt = Path(str(ev.checkpoint))
-    key = {"weights": sha256_file(ckpt / "model.safetensors"), "head": info.get("head_config"),
-           "calibration": setup["calibration_kwargs"], "grid": grid, "prompts": [p.id for p in prompts],
-           "prompt_tokens": sha256_json([p.input_ids.tolist() for p in prompts]), "max_new_tokens": max_new,
-           "device": cost.key["device"], "dtype": cost.key["dtype"], "threads": cost.key["threads"]}
-    path = root / "calibration" / f"{head_type}-{sha256_json(key)[:16]}.json"
-    stats = None
-    if path.is_file():
-        try:
-            import json
-
-            d = json.loads(path.read_text())
-            if d.get("key") == key:
-                stats = AcceptanceStats.from_dict(d["stats"])
-        except (ValueError, KeyError, TypeError):
-            stats = None
-    if stats is None:
-        log.info("calibrating %s acceptance on %d held-out ShareGPT prompts (max_new_tokens=%d)", head_type,
-                 len(prompts), max_new)
-        cal = head.make_drafter(model, eos_token_ids=list(eos_ids), **setup["calibration_kwargs"])
-        stats = calibrate(model, cal, prompts, max_new, eos_ids, grid)
-        atomic_write_json(path, {"key": key, "stats": stats.to_dict()})
+    with planning_threads(ev.get("plan_threads")):
+        cost = load_or_measure(model, identity, root, grid, int(ev.cost_context_tokens))
+        stats, path, drafter_source = _acceptance_and_cost(cost, setup, head, head_type, info, ev, model, prompts,
+                                                           max_new, eos_ids, grid, root)
     chosen, kwargs, wrap = choose_fn(setup, stats, cost, ev)
     from core.config import to_container
 
@@ -272,13 +289,63 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
         "statistics": {"source": "calibration", "path": str(path), "held_out_prompts": len(prompts),
                        "steps": stats.steps, "max_new_tokens": max_new, "rank_acceptance": stats.rank_acceptance(),
                        "budget_tau": stats.budget_tau(),
-                       "drafter_ms_per_pass": 1000 * (stats.drafter_seconds_per_pass() or 0.0)},
+                       "drafter_ms_per_pass": 1000 * (stats.drafter_seconds_per_pass() or 0.0),
+                       "drafter_cost_source": drafter_source, "plan_threads": cost.key["threads"]},
         "cost_model": cost.to_dict(),
         "predicted_tau": chosen["tau"], "predicted_speedup": chosen["speedup"],
     }
     log.info("eval.tree=%s for %s: %d nodes, predicted tau %.2f, speedup %.2fx", mode, head_type, chosen["nodes"],
              chosen["tau"], chosen["speedup"])
     return decoder, info
+
+
+def _acceptance_and_cost(cost: CostModel, setup, head, head_type: str, info, ev, model, prompts, max_new: int,
+                         eos_ids, grid, root: Path) -> tuple[AcceptanceStats, Path, str]:
+    """The head's calibrated :class:`AcceptanceStats` with ``drafter_seconds`` at the cost model's
+    thread count, from ``<root>/calibration/`` or measured now (and cached).
+
+    Returns:
+        ``(stats, path of the cache file, source of the drafter cost)``: ``"calibration"`` (timed
+        by the calibration pass at this thread count) or ``"timed on N prompts"`` (:func:`drafter_cost`).
+    """
+    import json
+
+    ckpt = Path(str(ev.checkpoint))
+    key = {"weights": sha256_file(ckpt / "model.safetensors"), "head": info.get("head_config"),
+           "calibration": setup["calibration_kwargs"], "grid": grid, "prompts": [p.id for p in prompts],
+           "prompt_tokens": sha256_json([p.input_ids.tolist() for p in prompts]), "max_new_tokens": max_new,
+           "device": cost.key["device"], "dtype": cost.key["dtype"]}
+    path = root / "calibration" / f"{head_type}-{sha256_json(key)[:16]}.json"
+    threads = str(cost.key["threads"])
+    stats, costs = None, {}
+    if path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            if d.get("key") == key:
+                stats, costs = AcceptanceStats.from_dict(d["stats"]), dict(d.get("drafter_cost") or {})
+        except (ValueError, KeyError, TypeError):
+            stats, costs = None, {}
+    if stats is None:
+        log.info("calibrating %s acceptance on %d held-out ShareGPT prompts (max_new_tokens=%d)", head_type,
+                 len(prompts), max_new)
+        cal = head.make_drafter(model, eos_token_ids=list(eos_ids), **setup["calibration_kwargs"])
+        stats = calibrate(model, cal, prompts, max_new, eos_ids, grid)
+        costs = {threads: {"passes": stats.drafter_passes, "seconds": stats.drafter_seconds,
+                           "prompts": len(prompts), "source": "calibration"}}
+        atomic_write_json(path, {"key": key, "stats": stats.to_dict(), "drafter_cost": costs})
+    elif threads not in costs:
+        few = prompts[:DRAFTER_COST_PROMPTS]
+        log.info("timing the %s drafter on %d held-out prompts at %s threads", head_type, len(few), threads)
+        cal = head.make_drafter(model, eos_token_ids=list(eos_ids), **setup["calibration_kwargs"])
+        costs[threads] = drafter_cost(model, cal, few, max_new, eos_ids) | {"source": f"timed on {len(few)} prompts"}
+        d = json.loads(path.read_text())
+        d.setdefault("drafter_cost", {}).update({threads: costs[threads]})
+        atomic_write_json(path, d)
+    c = costs[threads]
+    source = str(c.get("source", "calibration"))
+    if c["passes"]:  # the calibration's passes per step, at this thread count's seconds per pass
+        stats.drafter_seconds = float(c["seconds"]) / int(c["passes"]) * stats.drafter_passes
+    return stats, path, source
 
 
 @torch.no_grad()

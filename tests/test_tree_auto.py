@@ -218,3 +218,57 @@ def test_explicit_tree_keys_win_over_auto(tiny_base, tiny_model_dir, tmp_path, s
     assert rep["tree"]["applied"] is False and "eval.decoding.total_tokens given explicitly: that budget" in rep["tree"]["reason"]
     assert rep["parity"]["matched"] == 2
     assert all(p["stats"]["tree_nodes"] <= 3 * p["stats"]["steps"] for p in rep["per_prompt"])
+
+
+def test_plan_threads_sizes_a_one_thread_run_for_the_timing_threads(tiny_base, tiny_model_dir, tmp_path, sharegpt,
+                                                                     monkeypatch):
+    """Acceptance is calibrated once (thread-independent); c(n) and the drafter's cost are per thread count.
+    A one-thread run with ``eval.plan_threads=2`` decodes with the tree a two-thread run chooses, and a
+    plain one-thread run sizes its own (here: planted c(n) that is steep on one thread -> a smaller tree)."""
+    import evaluation.tree_auto as tree_auto
+
+    monkeypatch.setattr(AcceptanceStats, "rank_acceptance", lambda self: [[0.7, 0.2, 0.05]] * 8)
+    monkeypatch.setattr(AcceptanceStats, "budget_tau", lambda self: {1: 1.0, 2: 1.6, 3: 1.9, 4: 2.3, 6: 2.6, 8: 2.8})
+    real_measure, real_calibrate = tree_auto.load_or_measure, tree_auto.calibrate
+    per_node = {1: 2000.0, 2: 1.0}  # ms per tree node: one thread makes every extra node dear
+
+    def planted_cost(*args, **kwargs):
+        cost = real_measure(*args, **kwargs)
+        cost.verify_ms = [1000.0 + per_node[cost.key["threads"]] * (n - 1) for n in cost.sizes]
+        return cost
+
+    calibrations = []
+
+    def counting(*args, **kwargs):
+        calibrations.append(torch.get_num_threads())
+        return real_calibrate(*args, **kwargs)
+
+    monkeypatch.setattr(tree_auto, "load_or_measure", planted_cost)
+    monkeypatch.setattr(tree_auto, "calibrate", counting)
+    old = torch.get_num_threads()
+    try:
+        reps = {}
+        for name, extra in [("one_for_two", ["eval.threads=1", "eval.plan_threads=2"]), ("one", ["eval.threads=1"]),
+                            ("two", ["eval.threads=2"])]:
+            cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.tree=auto", *extra,
+                       f"eval.output_dir={tmp_path / name}")
+            if not reps:
+                _save_head(cfg, tiny_base, tmp_path)
+            reps[name] = run_evaluation(cfg, base=tiny_base)
+            assert torch.get_num_threads() == int(extra[0].split("=")[1])  # the run's own threads are kept
+    finally:
+        torch.set_num_threads(old)
+    assert calibrations == [2]  # acceptance measured once, at the planning thread count
+    trees = {k: r["tree"] for k, r in reps.items()}
+    for k, r in reps.items():
+        assert r["parity"]["matched"] == 2, k
+    assert [trees[k]["statistics"]["plan_threads"] for k in reps] == [2, 1, 2]
+    assert [trees[k]["cost_model"]["key"]["threads"] for k in reps] == [2, 1, 2]
+    assert trees["one_for_two"]["statistics"]["drafter_cost_source"] == "calibration"
+    assert trees["one"]["statistics"]["drafter_cost_source"] == "timed on 3 prompts"  # 3 calibration prompts
+    assert trees["two"]["statistics"]["drafter_cost_source"] == "calibration"
+    assert trees["one_for_two"]["chosen"] == trees["two"]["chosen"] and trees["two"]["chosen"]["nodes"] > 1
+    assert trees["one"]["chosen"]["nodes"] < trees["two"]["chosen"]["nodes"]
+    cal = json.loads(open(trees["one"]["statistics"]["path"]).read())
+    assert set(cal["drafter_cost"]) == {"1", "2"} and "threads" not in cal["key"]
+    assert cal["drafter_cost"]["1"]["prompts"] == 3 and cal["drafter_cost"]["1"]["passes"] > 0
