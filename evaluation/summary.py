@@ -62,6 +62,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
             parity += f"; {n_rep} repeats identical"
         name = r.get("variant") or r.get("head_type") or "-"
         tree = r.get("tree")
+        if r.get("tree_matches_timing") is False:
+            parity += f"; timing decoded another tree ({json.dumps(r.get('timing_tree'))})"
         train = f"{_f(r.get('train_seconds'), '{:.0f}')} | {_f(r.get('train_steps'), '{}')} | " if trained else ""
         lines.append(f"| {name} | {train}{_f(r.get('prompts'), '{}')} | {_f(r.get('tau'))} | "
                      + " | ".join(_f(a) for a in acc[:3])
@@ -93,8 +95,20 @@ def _load(path: Path) -> dict[str, Any]:
         raise ValueError(f"{f}: unreadable report ({exc})") from None
 
 
+def _chosen_tree(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The tree a report decoded with (``tree.chosen`` without the candidate list), None if none."""
+    tree = report.get("tree") or {}
+    if not tree.get("applied"):
+        return None
+    return {k: v for k, v in tree["chosen"].items() if k != "candidates"}
+
+
 def combine(entries: Sequence[tuple[str, Path, Path | None]]) -> list[dict[str, Any]]:
     """Summary rows for ``[(name, quality_dir, timing_dir or None)]``.
+
+    A row with a timing report says whether both decoded with the same tree
+    (``tree_matches_timing``; the timing run's as ``timing_tree``): τ and speed then describe one
+    configuration (``scripts/compare.py`` plans the τ runs for the timing threads).
 
     Raises:
         ValueError: a directory has no readable ``report.json``; a timing report ran another
@@ -107,13 +121,16 @@ def combine(entries: Sequence[tuple[str, Path, Path | None]]) -> list[dict[str, 
         if name in seen:
             raise ValueError(f"duplicate name {name!r}")
         seen.add(name)
-        row = summary_row(name, _load(Path(qdir)))
+        q = _load(Path(qdir))
+        row = summary_row(name, q)
         if tdir is not None:
             t = _load(Path(tdir))
             if t["checkpoint"] != row["checkpoint"]:
                 raise ValueError(f"{name}: timing report {tdir} evaluated {t['checkpoint']}, "
                                  f"not {row['checkpoint']} like {qdir}")
             timing = t.get("timing") or {}
+            qt, tt = _chosen_tree(q), _chosen_tree(t)
+            row.update(tree_matches_timing=qt == tt, timing_tree=tt)
             row.update(speedup=t.get("speedup"), speedup_repeats=timing.get("speedup"),
                        identical_repeat_tokens=timing.get("identical_tokens"), timing_prompts=t.get("num_prompts"),
                        timing_threads=t.get("threads"), tokens_per_s=(t.get("method") or {}).get("tokens_per_s"))

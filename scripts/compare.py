@@ -8,11 +8,19 @@ omegaconf dotlist) and runs, each stage as a subprocess of this repository's ent
    wall-clock budget for every head), into ``<output_dir>/runs/<head>/compare-<name>``;
    ``train_parallel`` heads at once, so every head gets the same share of the machine
    (:meth:`Driver.train`);
-3. per head, the evaluation protocol on ``best/`` (else ``last/``): ``eval.shards`` processes
-   (one thread each) decode disjoint question ranges, every turn, for τ and parity;
-   ``python -m evaluation.merge`` joins them and one resumed pass writes the report
-   (``eval/<name>/quality``); then a timing run on ``eval.timing_per_category`` questions per
-   category with ``eval.repeats`` rounds on ``eval.timing_threads`` threads (``eval/<name>/timing``);
+3. the evaluation protocol on each head's ``best/`` (else ``last/``), per **evaluation group**:
+   heads of one ``heads=`` option with the same ``eval`` overrides (e.g. ctc, ctc with
+   ``loss=ce`` and the 49k-row ctc) are the ``eval.variants`` of one run, so they share one vanilla
+   decoding (the same reference, and one vanilla pass instead of three).  First a timing run on
+   ``eval.timing_per_category`` questions per category with ``eval.repeats`` rounds on
+   ``eval.timing_threads`` threads (all cores by default), which sizes each head's tree for those
+   threads (``eval.tree=auto``: the cost model and calibration are measured then, on a quiet
+   machine); then ``eval.shards`` processes (one thread each) decode disjoint question ranges,
+   every turn, for τ and parity, with ``eval.plan_threads`` = the timing threads, so they decode
+   with the very tree the timing run chose (read from the cache); ``python -m evaluation.merge``
+   joins them and one resumed pass writes the report.  Reports: ``eval/<name>/{timing,quality}/``
+   for a group of one head, ``eval/<group>/{timing,quality}/<name>/`` for a group of several
+   (``<group>`` = the names joined by ``+``);
 4. ``summary.md`` / ``summary.json`` in ``<output_dir>`` (:mod:`evaluation.summary`) with the
    training steps and seconds of each head.
 
@@ -242,30 +250,57 @@ class Driver:
         run = self.run_dir(name)
         return run / "best" if (run / "best" / "model.safetensors").is_file() or self.dry_run else run / "last"
 
-    def evaluate(self, name: str) -> None:
+    def eval_groups(self, names: list[str]) -> list[list[str]]:
+        """``names`` grouped by (``heads=`` option, ``eval`` overrides), in first-appearance order:
+        each group is evaluated by one run with one ``eval.variants`` entry per head."""
+        groups: dict[tuple, list[str]] = {}
+        for n in names:
+            h = self.cfg.heads[n]
+            groups.setdefault((str(h.head), tuple(map(str, h.eval))), []).append(n)
+        return list(groups.values())
+
+    def report_dir(self, name: str, kind: str, group: list[str] | None = None) -> Path:
+        """Where head ``name``'s ``kind`` (``quality`` / ``timing`` / ``shard<k>``) report lies."""
+        group = group or next(g for g in self.eval_groups(list(self.cfg.heads_to_run)) if name in g)
+        if len(group) == 1:
+            return self.out / "eval" / name / kind
+        return self.out / "eval" / "+".join(group) / kind / name
+
+    def evaluate(self, group: list[str]) -> None:
+        """The evaluation protocol (module doc, step 3) for one group of heads: timing first (on all
+        cores; it sizes the trees), then the τ/parity shards on one thread each with
+        ``eval.plan_threads`` = the timing threads, their merge and the report pass."""
         c, e = self.cfg, self.cfg.eval
-        base = [self.py, "-m", "evaluation", *self.head_args(name), *c.heads[name].eval, *e.overrides,
-                f"eval.checkpoint={self.checkpoint(name)}", f"eval.prompts={e.prompts}", f"eval.turns={e.turns}",
-                f"eval.max_new_tokens={e.max_new_tokens}", f"output_root={self.out}", "resume=auto"]
+        first = c.heads[group[0]]
+        gname = "+".join(group)
+        gdir = self.out / "eval" / gname
+        if len(group) == 1:
+            which = [f"eval.checkpoint={self.checkpoint(gname)}"]
+        else:
+            spec = ", ".join(f"{{name: {n}, checkpoint: '{self.checkpoint(n)}'}}" for n in group)
+            which = [f"eval.variants=[{spec}]"]
+        base = [self.py, "-m", "evaluation", f"heads={first.head}", *c.common, *first.eval, *e.overrides, *which,
+                f"eval.prompts={e.prompts}", f"eval.turns={e.turns}", f"eval.max_new_tokens={e.max_new_tokens}",
+                f"output_root={self.out}", "resume=auto"]
+        ok = (0, 1)  # 1 = parity failure: the reports are written; the summary shows it
+        threads = int(e.timing_threads or os.cpu_count() or 1)
+        codes = [self.run_stage(f"eval-{gname}-timing", [base + [
+            f"eval.prompts_per_category={e.timing_per_category}", f"eval.repeats={e.repeats}",
+            f"eval.threads={threads}", f"eval.output_dir={gdir / 'timing'}"]], ok)]
         n = count_questions(str(e.prompts), int(e.prompts_per_category))
         per = math.ceil(n / int(e.shards))
-        qdir = self.out / "eval" / name / "quality"
-        quality = base + [f"eval.prompts_per_category={e.prompts_per_category}"]
-        shard_dirs = [self.out / "eval" / name / f"shard{k}" for k in range(int(e.shards)) if k * per < n]
-        ok = (0, 1)  # 1 = parity failure: the reports are written; the summary shows it
-        codes = [self.run_stage(f"eval-{name}-shards", [
-            quality + [f"eval.prompt_offset={k * per}", f"eval.num_prompts={per}", "eval.threads=1",
-                       f"eval.output_dir={d}"] for k, d in enumerate(shard_dirs)], ok)]
-        self.run_stage(f"eval-{name}-merge", [[self.py, "-m", "evaluation.merge", "--no-report", str(qdir),
-                                                          *map(str, shard_dirs)]])
-        codes.append(self.run_stage(f"eval-{name}-report", [quality + [
-            "eval.prompt_offset=0", f"eval.num_prompts={n}", f"eval.output_dir={qdir}", "eval.threads=1"]], ok))
-        threads = e.timing_threads or os.cpu_count() or 1
-        codes.append(self.run_stage(f"eval-{name}-timing", [base + [
-            f"eval.prompts_per_category={e.timing_per_category}", f"eval.repeats={e.repeats}",
-            f"eval.threads={threads}", f"eval.output_dir={self.out / 'eval' / name / 'timing'}"]], ok))
+        quality = base + [f"eval.prompts_per_category={e.prompts_per_category}", "eval.threads=1",
+                          f"eval.plan_threads={threads}"]
+        shard_dirs = [gdir / f"shard{k}" for k in range(int(e.shards)) if k * per < n]
+        codes.append(self.run_stage(f"eval-{gname}-shards", [
+            quality + [f"eval.prompt_offset={k * per}", f"eval.num_prompts={per}", f"eval.output_dir={d}"]
+            for k, d in enumerate(shard_dirs)], ok))
+        self.run_stage(f"eval-{gname}-merge", [[self.py, "-m", "evaluation.merge", "--no-report", str(gdir / "quality"),
+                                                *map(str, shard_dirs)]])
+        codes.append(self.run_stage(f"eval-{gname}-report", [quality + [
+            "eval.prompt_offset=0", f"eval.num_prompts={n}", f"eval.output_dir={gdir / 'quality'}"]], ok))
         if any(codes):
-            self.parity_failures.append(name)
+            self.parity_failures.append(gname)
 
     def training_record(self, name: str) -> dict[str, Any]:
         """Steps and training seconds of a head's run (the ``extra`` of its exported ``last/`` and
@@ -285,7 +320,8 @@ class Driver:
         from core.io import atomic_write_text
         from evaluation.summary import combine, summary_markdown
 
-        entries = [(n, self.out / "eval" / n / "quality", self.out / "eval" / n / "timing") for n in names]
+        groups = {n: g for g in self.eval_groups(names) for n in g}
+        entries = [(n, self.report_dir(n, "quality", groups[n]), self.report_dir(n, "timing", groups[n])) for n in names]
         print(f"[run ] summary of {', '.join(names)} -> {self.out / 'summary.md'}")
         if self.dry_run or not names:
             return
@@ -312,12 +348,12 @@ class Driver:
         if "train" in stages:
             self.train(names)
         if "eval" in stages:
-            for name in names:
-                self.evaluate(name)
+            for group in self.eval_groups(names):
+                self.evaluate(group)
         if "summary" in stages:
             self.summarize(names)
         if self.parity_failures:
-            print(f"PARITY FAILURE in {', '.join(self.parity_failures)} (see eval/<name>/*/report.json)", file=sys.stderr)
+            print(f"PARITY FAILURE in {', '.join(self.parity_failures)} (see their eval/*/report.json)", file=sys.stderr)
             return 1
         return 0
 

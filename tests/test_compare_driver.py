@@ -34,8 +34,7 @@ def tiny_setup(tmp_path, tiny_model_dir):
         train=["train.batch_size=4", "train.max_steps=1000", "train.val_every_n_steps=2", "train.logger=csv",
                "train.sanity_val_steps=0", "train.accelerator=cpu", "train.devices=1", "train.scheduler.warmup_steps=1",
                "heads.attn_implementation=eager"],
-        heads_to_run=["ctc", "notyet"])
-    cfg["heads"]["ctc"]["eval"] = ["eval.max_nodes=8"]
+        heads_to_run=["ctc", "ctc_ce", "notyet"])
     cfg["heads"]["notyet"] = {"head": "notyet", "overrides": [], "eval": []}  # a head with no config or module yet
     cfg["eval"].update(prompts=str(mt), prompts_per_category=2, max_new_tokens=8, shards=2, timing_per_category=1,
                        repeats=2, timing_threads=1, overrides=["eval.warmup=0"])
@@ -45,41 +44,54 @@ def tiny_setup(tmp_path, tiny_model_dir):
 
 
 def test_compare_driver_end_to_end_and_resume(tiny_setup, capsys):
+    """ctc and ctc with loss=ce form one evaluation group: the variants of one run (one vanilla pass);
+    the timing run sizes their auto trees, and the τ/parity shards decode with the same trees."""
     config, out = tiny_setup
     assert compare.main(["--config", str(config)]) == 0
     printed = capsys.readouterr().out
     assert "[skip] notyet: heads=notyet is not available yet" in printed
-    rep = json.loads((out / "eval" / "ctc" / "quality" / "report.json").read_text())
-    # 5 questions, 2 per category -> 1, 2, 3, 4, 5 (coding has one), both turns, from two shards
-    assert rep["num_prompts"] == 10 and rep["parity"]["matched"] == 10
-    assert {t: p["total"] for t, p in rep["parity_per_turn"].items()} == {"1": 5, "2": 5}
-    assert {c: g["prompts"] for c, g in rep["per_category"].items()} == {"writing": 4, "math": 4, "coding": 2}
-    shards = [json.loads((out / "eval" / "ctc" / f"shard{k}" / "report.json").read_text()) for k in (0, 1)]
-    assert [r["id"] for r in shards[0]["per_prompt"]] == ["1", "1/turn2", "2", "2/turn2", "3", "3/turn2"]
-    assert [r["id"] for r in shards[1]["per_prompt"]] == ["4", "4/turn2", "5", "5/turn2"]
-    timing = json.loads((out / "eval" / "ctc" / "timing" / "report.json").read_text())
-    assert timing["num_prompts"] == 6 and timing["timing"]["repeats"] == 2 and timing["timing"]["identical_tokens"]
+    ran = [line.split()[2] for line in printed.splitlines() if line.startswith("[run ] eval-")]
+    assert ran == [f"eval-ctc+ctc_ce-{s}" for s in ("timing", "shards", "merge", "report")]  # timing first
+    group = out / "eval" / "ctc+ctc_ce"
+    for name in ("ctc", "ctc_ce"):
+        rep = json.loads((group / "quality" / name / "report.json").read_text())
+        # 5 questions, 2 per category -> 1, 2, 3, 4, 5 (coding has one), both turns, from two shards
+        assert rep["num_prompts"] == 10 and rep["parity"]["matched"] == 10
+        assert rep["checkpoint"].endswith(f"compare-{name}/best") or rep["checkpoint"].endswith(f"compare-{name}/last")
+        assert {t: p["total"] for t, p in rep["parity_per_turn"].items()} == {"1": 5, "2": 5}
+        assert {c: g["prompts"] for c, g in rep["per_category"].items()} == {"writing": 4, "math": 4, "coding": 2}
+        shards = [json.loads((group / f"shard{k}" / name / "report.json").read_text()) for k in (0, 1)]
+        assert [r["id"] for r in shards[0]["per_prompt"]] == ["1", "1/turn2", "2", "2/turn2", "3", "3/turn2"]
+        assert [r["id"] for r in shards[1]["per_prompt"]] == ["4", "4/turn2", "5", "5/turn2"]
+        timing = json.loads((group / "timing" / name / "report.json").read_text())
+        assert timing["num_prompts"] == 6 and timing["timing"]["repeats"] == 2 and timing["timing"]["identical_tokens"]
+        # the tree of the one-thread tau shards is planned for the timing threads (1 here) and is the timing's
+        assert rep["tree"]["applied"] and rep["tree"]["statistics"]["plan_threads"] == timing["threads"] == 1
+        assert rep["tree"]["chosen"] == timing["tree"]["chosen"]
     summary = json.loads((out / "summary.json").read_text())
-    (row,) = summary["rows"]
-    assert row["variant"] == "ctc" and row["speedup_repeats"]["n"] == 2 and row["train_steps"] > 0
-    assert row["train_seconds"] >= 2 and row["evaluated_step"] <= row["train_steps"] and row["parity_per_turn"] == {"1": "5/5", "2": "5/5"}
+    rows = summary["rows"]
+    assert [r["variant"] for r in rows] == ["ctc", "ctc_ce"]
+    for row in rows:
+        assert row["speedup_repeats"]["n"] == 2 and row["train_steps"] > 0 and row["tree_matches_timing"] is True
+        assert row["train_seconds"] >= 2 and row["evaluated_step"] <= row["train_steps"]
+        assert row["parity_per_turn"] == {"1": "5/5", "2": "5/5"}
     md = (out / "summary.md").read_text()
-    assert "| ctc |" in md and "t2: 5/5" in md and "| math |" in md
+    assert "| ctc |" in md and "| ctc_ce |" in md and "t2: 5/5" in md and "| math |" in md
 
     # run again: every stage is skipped, nothing is decoded or trained
     assert compare.main(["--config", str(config)]) == 0
     ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[run ]")]
-    assert ran == [f"[run ] summary of ctc -> {out / 'summary.md'}"]  # only the summary is rewritten
+    assert ran == [f"[run ] summary of ctc, ctc_ce -> {out / 'summary.md'}"]  # only the summary is rewritten
 
     # an interrupted timing stage: its marker gone, a prompt's record lost -> only that is decoded again
-    (out / "stages" / "eval-ctc-timing.done").unlink()
-    prog = out / "eval" / "ctc" / "timing" / "progress.jsonl"
+    (out / "stages" / "eval-ctc+ctc_ce-timing.done").unlink()
+    prog = group / "timing" / "progress.jsonl"
     lines = prog.read_text().splitlines()
     prog.write_text("\n".join(lines[:-1]) + "\n")
     assert compare.main(["--config", str(config)]) == 0
-    assert "[run ] eval-ctc-timing" in capsys.readouterr().out
+    assert "[run ] eval-ctc+ctc_ce-timing" in capsys.readouterr().out
     assert len(prog.read_text().splitlines()) == len(lines)
-    log = (out / "logs" / "eval-ctc-timing.log").read_text()
+    log = (out / "logs" / "eval-ctc+ctc_ce-timing.log").read_text()
     assert "resuming: 5 prompt turn(s) already decoded" in log
 
 
