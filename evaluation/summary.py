@@ -32,6 +32,14 @@ def speedup_text(row: dict[str, Any]) -> str:
     return _f(row.get("speedup"))
 
 
+def tree_text(tree: dict[str, Any] | None) -> str:
+    """A table cell for :func:`evaluation.runner.tree_summary`: ``auto: 16 nodes, depth 4`` or ``-``."""
+    if not tree:
+        return "-"
+    depth = f", depth {tree['depth']}" if tree.get("depth") is not None else ""
+    return f"{tree.get('mode')}: {tree.get('nodes')} node{'s' if tree.get('nodes') != 1 else ''}{depth}"
+
+
 def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """A markdown document: the main table (one row per variant/head: training seconds and steps
     when the rows carry ``train_seconds`` / ``train_steps``, prompts, τ, acceptance at
@@ -42,8 +50,11 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
         rows: :func:`evaluation.runner.summary_row` dicts (``variant`` may be None: one method).
     """
     trained = any(r.get("train_steps") is not None for r in rows)  # rows of scripts/compare.py
-    head = (("| method | train (s) | steps | " if trained else "| method | ")
-            + "prompts | τ | acc@1 | acc@2 | acc@3 | base fwd/token | drafter share | speedup | tree | parity (per turn) |")
+    timed = any("timing_tau" in r for r in rows)  # speed from a separate timing run
+    head = (("| method | train (s) | steps | tokens seen | " if trained else "| method | ")
+            + "prompts | τ | acc@1 | acc@2 | acc@3 | base fwd/token | "
+            + ("tree (τ runs) | timing tree | τ (timing) | " if timed else "")
+            + "drafter share | speedup | " + ("" if timed else "tree | ") + "parity (per turn) |")
     lines = ["# Evaluation summary", "",
              "τ: tokens per base verification forward, bonus token included; acc@d: accepted / proposed at "
              "draft depth d; speedup: method ÷ vanilla tokens/s, mean ± sample std over `eval.repeats` when "
@@ -62,13 +73,13 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
             parity += f"; {n_rep} repeats identical"
         name = r.get("variant") or r.get("head_type") or "-"
         tree = r.get("tree")
-        if r.get("tree_matches_timing") is False:
-            parity += f"; timing decoded another tree ({json.dumps(r.get('timing_tree'))})"
-        train = f"{_f(r.get('train_seconds'), '{:.0f}')} | {_f(r.get('train_steps'), '{}')} | " if trained else ""
+        train = (f"{_f(r.get('train_seconds'), '{:.0f}')} | {_f(r.get('train_steps'), '{}')} | "
+                 f"{_f(r.get('train_tokens'), '{:,}')} | " if trained else "")
+        trees = (f"{tree_text(tree)} | {tree_text(r.get('timing_tree'))} | {_f(r.get('timing_tau'))} | " if timed else "")
         lines.append(f"| {name} | {train}{_f(r.get('prompts'), '{}')} | {_f(r.get('tau'))} | "
                      + " | ".join(_f(a) for a in acc[:3])
-                     + f" | {_f(r.get('base_forwards_per_token'), '{:.3f}')} | {_f(r.get('drafter_time_share'))} | "
-                       f"{speedup_text(r)} | {'-' if tree is None else json.dumps(tree)} | {parity} |")
+                     + f" | {_f(r.get('base_forwards_per_token'), '{:.3f}')} | {trees}{_f(r.get('drafter_time_share'))} | "
+                       f"{speedup_text(r)} | " + ("" if timed else f"{tree_text(tree)} | ") + f"{parity} |")
     cats = []
     for r in rows:
         cats += [c for c in (r.get("per_category") or {}) if c not in cats]
@@ -106,9 +117,12 @@ def _chosen_tree(report: dict[str, Any]) -> dict[str, Any] | None:
 def combine(entries: Sequence[tuple[str, Path, Path | None]]) -> list[dict[str, Any]]:
     """Summary rows for ``[(name, quality_dir, timing_dir or None)]``.
 
-    A row with a timing report says whether both decoded with the same tree
-    (``tree_matches_timing``; the timing run's as ``timing_tree``): τ and speed then describe one
-    configuration (``scripts/compare.py`` plans the τ runs for the timing threads).
+    A row with a timing report takes its speed figures from it (speedup, its mean ± std over the
+    repeats, tokens/s, drafter time share, per-category speedup; the quality run's drafter share is
+    kept as ``quality_drafter_time_share``) and its τ figures from the quality report; it also
+    gives the timing run's tree and τ (``timing_tree``, ``timing_tau``) and whether both decoded
+    with the same tree (``tree_matches_timing``; ``scripts/compare.py`` fixes the quality runs'
+    node budget, so there they may differ by design).
 
     Raises:
         ValueError: a directory has no readable ``report.json``; a timing report ran another
@@ -129,11 +143,18 @@ def combine(entries: Sequence[tuple[str, Path, Path | None]]) -> list[dict[str, 
                 raise ValueError(f"{name}: timing report {tdir} evaluated {t['checkpoint']}, "
                                  f"not {row['checkpoint']} like {qdir}")
             timing = t.get("timing") or {}
-            qt, tt = _chosen_tree(q), _chosen_tree(t)
-            row.update(tree_matches_timing=qt == tt, timing_tree=tt)
+            from evaluation.runner import tree_summary
+
+            t_method = t.get("method") or {}
+            row.update(tree_matches_timing=_chosen_tree(q) == _chosen_tree(t), timing_tree=tree_summary(t.get("tree")),
+                       timing_tau=t.get("tau"), quality_drafter_time_share=row.get("drafter_time_share"),
+                       drafter_time_share=t_method.get("drafter_time_share"))
             row.update(speedup=t.get("speedup"), speedup_repeats=timing.get("speedup"),
                        identical_repeat_tokens=timing.get("identical_tokens"), timing_prompts=t.get("num_prompts"),
-                       timing_threads=t.get("threads"), tokens_per_s=(t.get("method") or {}).get("tokens_per_s"))
+                       timing_threads=t.get("threads"), tokens_per_s=t_method.get("tokens_per_s"))
+            for c, g in (t.get("per_category") or {}).items():  # speed per category from the timing run
+                if c in row["per_category"]:
+                    row["per_category"][c].update(speedup=g["speedup"], timing_prompts=g["prompts"])
         rows.append(row)
     return rows
 

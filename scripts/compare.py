@@ -16,13 +16,15 @@ omegaconf dotlist) and runs, each stage as a subprocess of this repository's ent
    ``eval.timing_threads`` threads (all cores by default), which sizes each head's tree for those
    threads (``eval.tree=auto``: the cost model and calibration are measured then, on a quiet
    machine); then ``eval.shards`` processes (one thread each) decode disjoint question ranges,
-   every turn, for τ and parity, with ``eval.plan_threads`` = the timing threads, so they decode
-   with the very tree the timing run chose (read from the cache); ``python -m evaluation.merge``
+   every turn, for τ and parity, with ``eval.quality_overrides`` (default ``eval.tree_nodes=16``:
+   one node budget for every head, so τ compares heads, not trees) and ``eval.plan_threads`` = the
+   timing threads (the cost model and calibration are read from the cache, not re-measured on a
+   loaded machine; without a fixed budget they decode with the timing run's tree); ``python -m evaluation.merge``
    joins them and one resumed pass writes the report.  Reports: ``eval/<name>/{timing,quality}/``
    for a group of one head, ``eval/<group>/{timing,quality}/<name>/`` for a group of several
    (``<group>`` = the names joined by ``+``);
 4. ``summary.md`` / ``summary.json`` in ``<output_dir>`` (:mod:`evaluation.summary`) with the
-   training steps and seconds of each head.
+   training steps, seconds and tokens seen of each head.
 
 ``stages`` (default all of prep, train, eval, summary) selects what this invocation runs.
 
@@ -289,8 +291,8 @@ class Driver:
             f"eval.threads={threads}", f"eval.output_dir={gdir / 'timing'}"]], ok)]
         n = count_questions(str(e.prompts), int(e.prompts_per_category))
         per = math.ceil(n / int(e.shards))
-        quality = base + [f"eval.prompts_per_category={e.prompts_per_category}", "eval.threads=1",
-                          f"eval.plan_threads={threads}"]
+        quality = base + [*e.get("quality_overrides", []), f"eval.prompts_per_category={e.prompts_per_category}",
+                          "eval.threads=1", f"eval.plan_threads={threads}"]
         shard_dirs = [gdir / f"shard{k}" for k in range(int(e.shards)) if k * per < n]
         codes.append(self.run_stage(f"eval-{gname}-shards", [
             quality + [f"eval.prompt_offset={k * per}", f"eval.num_prompts={per}", f"eval.output_dir={d}"]
@@ -311,10 +313,27 @@ class Driver:
             if f.is_file():
                 extra = json.loads(f.read_text(encoding="utf-8")).get("extra") or {}
                 if key == "last":
-                    out.update(train_steps=extra.get("global_step"), train_seconds=extra.get("train_seconds"))
+                    out.update(train_steps=extra.get("global_step"), train_seconds=extra.get("train_seconds"),
+                               train_tokens=self.train_tokens(name, extra.get("global_step")))
                 else:
                     out.update(evaluated_checkpoint=str(d), evaluated_step=extra.get("global_step"))
         return out
+
+    def train_tokens(self, name: str, steps: int | None) -> int | None:
+        """Tokens of the training batches of a head's first ``steps`` optimizer steps, replayed from
+        its run's ``config.yaml`` and the cache's record lengths (:func:`train.data.tokens_seen`;
+        one process, as this driver trains); None without a run config or step count."""
+        from train.data import make_batches, open_split, record_lengths, tokens_seen
+
+        f = self.run_dir(name) / "config.yaml"
+        if steps is None or not f.is_file():
+            return None
+        run = OmegaConf.load(f)
+        t = run.train
+        lengths = record_lengths(open_split(str(t.cache_dir or self.cache_dir()), "train"))
+        batches = make_batches(lengths, t.batch_size, t.max_tokens, int(run.seed), bool(t.shuffle), int(t.bucket_size))
+        return tokens_seen(lengths, batches, int(steps), int(run.seed), bool(t.shuffle), 1,
+                           int(t.accumulate_grad_batches))
 
     def summarize(self, names: list[str]) -> None:
         from core.io import atomic_write_text

@@ -65,18 +65,27 @@ def test_compare_driver_end_to_end_and_resume(tiny_setup, capsys):
         assert [r["id"] for r in shards[1]["per_prompt"]] == ["4", "4/turn2", "5", "5/turn2"]
         timing = json.loads((group / "timing" / name / "report.json").read_text())
         assert timing["num_prompts"] == 6 and timing["timing"]["repeats"] == 2 and timing["timing"]["identical_tokens"]
-        # the tree of the one-thread tau shards is planned for the timing threads (1 here) and is the timing's
+        # tau at one node budget for every head (quality_overrides: eval.tree_nodes=16), planned from the
+        # timing threads' cached cost model (1 here); the timing run decodes with the auto tree
         assert rep["tree"]["applied"] and rep["tree"]["statistics"]["plan_threads"] == timing["threads"] == 1
-        assert rep["tree"]["chosen"] == timing["tree"]["chosen"]
+        assert rep["tree"]["chosen"]["nodes"] == 16 and timing["tree"]["mode"] == "auto"
+        assert rep["tree"]["cost_model"] == timing["tree"]["cost_model"]  # read from the cache, not re-measured
+        assert rep["tree"]["statistics"]["path"] == timing["tree"]["statistics"]["path"]  # one calibration
     summary = json.loads((out / "summary.json").read_text())
     rows = summary["rows"]
     assert [r["variant"] for r in rows] == ["ctc", "ctc_ce"]
     for row in rows:
-        assert row["speedup_repeats"]["n"] == 2 and row["train_steps"] > 0 and row["tree_matches_timing"] is True
+        assert row["speedup_repeats"]["n"] == 2 and row["train_steps"] > 0
+        assert row["tree"]["nodes"] == 16 and row["timing_tree"]["mode"] == "auto"
+        assert row["tree_matches_timing"] is (row["timing_tree"]["nodes"] == 16)
+        assert row["timing_tau"] is not None and set(row["per_category"]["math"]) >= {"tau", "speedup", "timing_prompts"}
+        # tokens seen: the replayed training batches (16 conversations of at most 96 tokens, batch 4)
+        assert 0 < row["train_tokens"] <= row["train_steps"] * 4 * 96
         assert row["train_seconds"] >= 2 and row["evaluated_step"] <= row["train_steps"]
         assert row["parity_per_turn"] == {"1": "5/5", "2": "5/5"}
     md = (out / "summary.md").read_text()
     assert "| ctc |" in md and "| ctc_ce |" in md and "t2: 5/5" in md and "| math |" in md
+    assert "| tree (τ runs) | timing tree | τ (timing) |" in md and "auto: 16 nodes" in md
 
     # run again: every stage is skipped, nothing is decoded or trained
     assert compare.main(["--config", str(config)]) == 0

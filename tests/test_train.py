@@ -446,3 +446,33 @@ def test_draft_vocab_train_export_and_errors(tiny_base, tiny_cache, tmp_path):
     assert meta["head"]["draft_vocab"]["train_coverage"] == pytest.approx(float(counts[head.d2t].sum() / counts.sum()))
     rows = list(csv.DictReader(open(metrics_csv(result["run_dir"]))))
     assert any(r.get("train/oov_rate") not in (None, "") for r in rows)
+
+
+def test_tokens_seen_replays_the_training_order(tiny_cache):
+    """train.data.tokens_seen equals the tokens the train loader really yields, step by step across
+    epoch boundaries (1 process), and the two ranks' batches of a 2-process run (each rank's sampler)."""
+    from train.data import CacheDataModule, ShardedBatchSampler, record_lengths, tokens_seen
+
+    dm = CacheDataModule(tiny_cache, pad_id=2, batch_size=3, seed=1)
+    dm.setup()
+    lengths, batches = record_lengths(dm.train_reader), dm.train_batches
+    loader = dm.train_dataloader()
+    per_step = []
+    for epoch in range(3):
+        loader.sampler.set_epoch(epoch)
+        per_step += [int(b["attention_mask"].sum()) for b in loader]
+    n = len(per_step)
+    assert n == 3 * len(batches) and len(set(per_step)) > 1
+    for steps in (0, 1, len(batches) - 1, len(batches), len(batches) + 2, n):
+        assert tokens_seen(lengths, batches, steps, seed=1) == sum(per_step[:steps]), steps
+    # two ranks, accumulation window 2: a step is 2 micro-batches on each rank
+    ranks = [ShardedBatchSampler(len(batches), 2, r, True, 1, window=2) for r in range(2)]
+    seen = 0
+    for epoch in range(2):
+        for s in ranks:
+            s.set_epoch(epoch)
+            seen += sum(lengths[i] for b in s for i in batches[b])
+    steps = 2 * len(ranks[0]) // 2
+    assert tokens_seen(lengths, batches, steps, seed=1, world_size=2, window=2) == seen
+    with pytest.raises(ValueError, match="steps=-1"):
+        tokens_seen(lengths, batches, -1, seed=1)

@@ -251,6 +251,36 @@ def record_lengths(reader) -> list[int]:
     return lengths
 
 
+def tokens_seen(lengths: list[int], batches: list[list[int]], steps: int, seed: int, shuffle: bool = True,
+                world_size: int = 1, window: int = 1) -> int:
+    """Tokens (non-padding, all ranks) in the micro-batches of the first ``steps`` optimizer steps,
+    replaying the training order of :class:`ShardedBatchSampler` epoch by epoch without reading any
+    hidden state (``W·A`` micro-batches per step, the padded epoch order of every rank).
+
+    Args:
+        lengths: token count per record of the train split (:func:`record_lengths`).
+        batches: the split's batches of record indices (``CacheDataModule.train_batches``).
+        steps: finished optimizer steps (the checkpoint's ``global_step``).
+        seed, shuffle: the data module's; world_size W; window A = ``train.accumulate_grad_batches``.
+
+    Raises:
+        ValueError: ``steps`` < 0, or a batch names a record outside ``lengths``.
+    """
+    if steps < 0:
+        raise ValueError(f"steps={steps} must be >= 0")
+    if batches and max(max(b) for b in batches if b) >= len(lengths):
+        raise ValueError(f"a batch names a record outside the {len(lengths)} record lengths")
+    sampler = ShardedBatchSampler(len(batches), world_size, 0, shuffle, seed, window=window)
+    todo, total, epoch = steps * world_size * window, 0, 0
+    while todo > 0:
+        sampler.set_epoch(epoch)
+        order = sampler.global_order()[:todo]
+        total += sum(lengths[i] for b in order for i in batches[b])
+        todo -= len(order)
+        epoch += 1
+    return total
+
+
 def open_split(cache_dir: str | Path, split: str):
     """``data_prep.cache.CacheReader(cache_dir / split)``; FileNotFoundError names the missing directory."""
     from data_prep.cache import CacheReader
