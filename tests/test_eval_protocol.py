@@ -225,3 +225,24 @@ def test_later_turn_beyond_the_context_is_refused_before_anything_is_written(tin
     with pytest.raises(ValueError, match=r"eval prompt '1' turn 2 .*exceeds the base model's context limit"):
         run_evaluation(compose(rewrite_argv(argv + ["eval.turns=2"])), base=tiny_base)
     assert not out.exists()
+
+
+def test_summary_table_takes_speed_from_timing_and_tau_from_quality():
+    """evaluation.summary.summary_markdown on compare-style rows: the τ-run tree and the timing tree
+    in their own cells (a budget has no depth: -1 is not printed), speed from the timing figures."""
+    from evaluation.summary import summary_markdown, tree_text
+
+    assert tree_text({"mode": "auto", "nodes": 16, "depth": -1}) == "auto: 16 nodes"
+    assert tree_text({"mode": "auto", "nodes": 1, "depth": 0}) == "auto: 1 node"
+    assert tree_text({"mode": "dynamic", "nodes": 9, "depth": 3}) == "dynamic: 9 nodes, depth 3"
+    assert tree_text(None) == "-"
+    row = {"variant": "ctc", "train_seconds": 1307.4, "train_steps": 201, "train_tokens": 374555, "prompts": 80,
+           "tau": 1.41, "acceptance_per_depth": [0.388, 0.024], "base_forwards_per_token": 0.712,
+           "tree": {"mode": "auto", "nodes": 16, "depth": -1}, "timing_tree": {"mode": "auto", "nodes": 1, "depth": 0},
+           "timing_tau": 1.0, "drafter_time_share": 0.161, "speedup_repeats": {"mean": 0.8417, "std": 0.0035, "n": 3},
+           "parity": "80/80", "parity_per_turn": {"1": "40/40", "2": "40/40"}, "identical_repeat_tokens": True,
+           "per_category": {"math": {"tau": 1.44, "speedup": 0.84, "prompts": 10}}}
+    md = summary_markdown([row])
+    assert ("| ctc | 1307 | 201 | 374,555 | 80 | 1.41 | 0.39 | 0.02 | - | 0.712 | auto: 16 nodes | auto: 1 node | "
+            "1.00 | 0.16 | 0.84 ± 0.00 (n=3) | 80/80 (t1: 40/40, t2: 40/40); 3 repeats identical |") in md
+    assert "| math | 1.44 / 0.84 |" in md
