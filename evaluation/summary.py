@@ -128,7 +128,7 @@ def combine(entries: Sequence[tuple[str, Path, Path | None]]) -> list[dict[str, 
         ValueError: a directory has no readable ``report.json``; a timing report ran another
             checkpoint than its quality report, or a name repeats (the message names it).
     """
-    from evaluation.runner import summary_row
+    from evaluation.runner import summary_row, tree_summary
 
     rows, seen = [], set()
     for name, qdir, tdir in entries:
@@ -143,8 +143,6 @@ def combine(entries: Sequence[tuple[str, Path, Path | None]]) -> list[dict[str, 
                 raise ValueError(f"{name}: timing report {tdir} evaluated {t['checkpoint']}, "
                                  f"not {row['checkpoint']} like {qdir}")
             timing = t.get("timing") or {}
-            from evaluation.runner import tree_summary
-
             t_method = t.get("method") or {}
             row.update(tree_matches_timing=_chosen_tree(q) == _chosen_tree(t), timing_tree=tree_summary(t.get("tree")),
                        timing_tau=t.get("tau"), quality_drafter_time_share=row.get("drafter_time_share"),

@@ -35,6 +35,7 @@ reference drafters are left as they are (the report says so).
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 from contextlib import contextmanager
@@ -308,8 +309,6 @@ def _acceptance_and_cost(cost: CostModel, setup, head, head_type: str, info, ev,
         ``(stats, path of the cache file, source of the drafter cost)``: ``"calibration"`` (timed
         by the calibration pass at this thread count) or ``"timed on N prompts"`` (:func:`drafter_cost`).
     """
-    import json
-
     ckpt = Path(str(ev.checkpoint))
     key = {"weights": sha256_file(ckpt / "model.safetensors"), "head": info.get("head_config"),
            "calibration": setup["calibration_kwargs"], "grid": grid, "prompts": [p.id for p in prompts],
@@ -317,12 +316,12 @@ def _acceptance_and_cost(cost: CostModel, setup, head, head_type: str, info, ev,
            "device": cost.key["device"], "dtype": cost.key["dtype"]}
     path = root / "calibration" / f"{head_type}-{sha256_json(key)[:16]}.json"
     threads = str(cost.key["threads"])
-    stats, costs = None, {}
+    stats, costs, saved = None, {}, None
     if path.is_file():
         try:
-            d = json.loads(path.read_text())
-            if d.get("key") == key:
-                stats, costs = AcceptanceStats.from_dict(d["stats"]), dict(d.get("drafter_cost") or {})
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                stats, costs = AcceptanceStats.from_dict(saved["stats"]), dict(saved.get("drafter_cost") or {})
         except (ValueError, KeyError, TypeError):
             stats, costs = None, {}
     if stats is None:
@@ -338,9 +337,7 @@ def _acceptance_and_cost(cost: CostModel, setup, head, head_type: str, info, ev,
         log.info("timing the %s drafter on %d held-out prompts at %s threads", head_type, len(few), threads)
         cal = head.make_drafter(model, eos_token_ids=list(eos_ids), **setup["calibration_kwargs"])
         costs[threads] = drafter_cost(model, cal, few, max_new, eos_ids) | {"source": f"timed on {len(few)} prompts"}
-        d = json.loads(path.read_text())
-        d.setdefault("drafter_cost", {}).update({threads: costs[threads]})
-        atomic_write_json(path, d)
+        atomic_write_json(path, {**saved, "drafter_cost": costs})  # the file as read, plus this thread count
     c = costs[threads]
     source = str(c.get("source", "calibration"))
     if c["passes"]:  # the calibration's passes per step, at this thread count's seconds per pass

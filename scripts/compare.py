@@ -261,9 +261,9 @@ class Driver:
             groups.setdefault((str(h.head), tuple(map(str, h.eval))), []).append(n)
         return list(groups.values())
 
-    def report_dir(self, name: str, kind: str, group: list[str] | None = None) -> Path:
-        """Where head ``name``'s ``kind`` (``quality`` / ``timing`` / ``shard<k>``) report lies."""
-        group = group or next(g for g in self.eval_groups(list(self.cfg.heads_to_run)) if name in g)
+    def report_dir(self, name: str, kind: str, group: list[str]) -> Path:
+        """Where head ``name``'s ``kind`` (``quality`` / ``timing`` / ``shard<k>``) report lies, in
+        its evaluation group ``group`` (:meth:`eval_groups`)."""
         if len(group) == 1:
             return self.out / "eval" / name / kind
         return self.out / "eval" / "+".join(group) / kind / name
