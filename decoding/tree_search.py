@@ -475,6 +475,23 @@ class ScoreBudgetDrafter(_DrafterWrapper):
                          tree.scores[keep], drafter_passes=tree.drafter_passes)
 
 
+class RootOnlyDrafter:
+    """Drafts the root alone and never runs a head: :class:`decoding.speculative.SpeculativeDecoder`
+    then verifies one token per base forward, i.e. vanilla greedy decoding (τ = 1, no drafter
+    cost).  ``eval.tree_fallback`` decodes with it when the cost model predicts every tree slower
+    than vanilla decoding (:func:`evaluation.tree_auto.plan_tree`)."""
+
+    def start(self, prompt_ids, hidden) -> None:
+        """Nothing to set up: no head runs."""
+
+    def draft(self, root_token: int) -> DraftTree:
+        """The one-node tree ``[root_token]``, built with 0 drafter passes."""
+        return DraftTree([int(root_token)], [-1], [0], drafter_passes=0)
+
+    def accept(self, tokens, hidden) -> None:
+        """Nothing to keep: no head runs."""
+
+
 class RecordingDrafter(_DrafterWrapper):
     """Wraps a drafter and keeps every drafted tree (``trees``), for calibration replays."""
 

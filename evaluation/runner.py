@@ -449,6 +449,9 @@ def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, dict[str, str]
     # larger num_prompts extends a finished evaluation, and shards (prompt_offset) can be combined
     for k in UNFINGERPRINTED_EVAL_KEYS:
         ev.pop(k, None)
+    for holder in [ev] + [v for v in ev.get("variants") or [] if isinstance(v, dict)]:
+        if holder.get("tree_fallback") is False:  # keys added later at their off default: older runs keep resuming
+            holder.pop("tree_fallback")
     if "turns" in ev:  # eval.turns=2 and eval.turns="2" are one setting
         ev["turns"] = str(ev["turns"])
     weights: dict[str, dict[str, str]] = {}  # a retrained checkpoint at the same path must not reuse old results

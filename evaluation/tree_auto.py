@@ -30,6 +30,11 @@ Per head type (a planner per type; a new tree head registers one in :data:`PLANN
   from a calibration at the largest grid budget, with ``depth``/``topk`` capped at n* − 1 (the same
   tree for fewer drafter passes; :func:`_eagle3_choose`).
 
+``eval.tree_fallback=true``: when even the best tree is predicted slower than vanilla decoding,
+decode without a tree (the root alone, no drafter pass; :func:`vanilla_fallback`), as a server
+would.  Off by default: an evaluation exists to measure the head, and a fixed ``eval.tree_nodes``
+never falls back.
+
 ``eval.tree=config`` keeps the head's configured tree.  Heads without a tree (AdaDecode) and the
 reference drafters are left as they are (the report says so).
 """
@@ -48,8 +53,8 @@ from omegaconf import OmegaConf
 from core.io import atomic_write_json, sha256_file, sha256_json
 from decoding.cost_model import CostModel, check_grid, load_or_measure
 from decoding.speculative import SpeculativeDecoder
-from decoding.tree_search import (AcceptanceStats, RecordingDrafter, ScoreBudgetDrafter, choose_budget,
-                                  choose_rank_tree)
+from decoding.tree_search import (AcceptanceStats, RecordingDrafter, RootOnlyDrafter, ScoreBudgetDrafter,
+                                  choose_budget, choose_rank_tree)
 
 log = logging.getLogger(__name__)
 TREE_MODES = ("auto", "dynamic", "config")
@@ -276,14 +281,18 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
         stats, path, drafter_source = _acceptance_and_cost(cost, setup, head, head_type, info, ev, model, prompts,
                                                            max_new, eos_ids, grid, root)
     chosen, kwargs, wrap = choose_fn(setup, stats, cost, ev)
-    from core.config import to_container
+    fallback = vanilla_fallback(ev, chosen, cost)
+    if fallback is not None:  # every tree is predicted slower than vanilla decoding: draft nothing
+        chosen, new = fallback, RootOnlyDrafter()
+    else:
+        from core.config import to_container
 
-    make_kwargs = {k: v for k, v in to_container(ev).items()}
-    make_kwargs.update(kwargs)
-    make_kwargs["eos_token_ids"] = list(eos_ids)
-    new = head.make_drafter(model, **make_kwargs)
-    if wrap is not None:
-        new = wrap(new)
+        make_kwargs = {k: v for k, v in to_container(ev).items()}
+        make_kwargs.update(kwargs)
+        make_kwargs["eos_token_ids"] = list(eos_ids)
+        new = head.make_drafter(model, **make_kwargs)
+        if wrap is not None:
+            new = wrap(new)
     decoder.drafter = new
     info["tree_choice"] = {
         "mode": mode, "applied": True, "chosen": chosen,
@@ -298,6 +307,24 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     log.info("eval.tree=%s for %s: %d nodes, predicted tau %.2f, speedup %.2fx", mode, head_type, chosen["nodes"],
              chosen["tau"], chosen["speedup"])
     return decoder, info
+
+
+def vanilla_fallback(ev, chosen: dict, cost: CostModel) -> dict | None:
+    """``eval.tree_fallback``: when the best tree is predicted slower than vanilla decoding
+    (predicted speedup < 1, i.e. τ / (c(n) + drafter) < 1 / c(1)), the choice "no tree": the root
+    alone and no drafter pass (:class:`decoding.tree_search.RootOnlyDrafter`), predicted τ 1 and
+    speedup 1.  None when the fallback is off, the node count is fixed (``eval.tree_nodes``) or a
+    tree pays.
+
+    Returns:
+        The replacement ``chosen`` dict (``nodes`` 1, ``depth`` 0, ``tau`` 1.0, ``speedup`` 1.0,
+        ``fallback`` "vanilla", ``best_tree``: the tree it replaces, candidates included), or None.
+    """
+    if not ev.get("tree_fallback") or ev.get("tree_nodes") is not None or chosen["speedup"] >= 1.0:
+        return None
+    step = cost.verify_seconds(1)
+    return {"nodes": 1, "depth": 0, "tau": 1.0, "step_seconds": step, "tokens_per_s": 1.0 / step, "speedup": 1.0,
+            "fallback": "vanilla", "best_tree": chosen, "candidates": chosen.get("candidates", [])}
 
 
 def _acceptance_and_cost(cost: CostModel, setup, head, head_type: str, info, ev, model, prompts, max_new: int,
@@ -407,6 +434,10 @@ def describe(choice: dict | None) -> str:
                     f"{c['expected_layer_steps_per_token']:.1f}, layer-step speedup {c['predicted_layer_step_speedup']:.2f}x")
         return f"tree: {choice.get('mode')} ({choice.get('reason')})"
     c = choice["chosen"]
+    if c.get("fallback"):
+        b = c["best_tree"]
+        return (f"tree: {choice['mode']} -> no tree (eval.tree_fallback: the best, {b['nodes']} nodes, is predicted at "
+                f"{b['speedup']:.2f}x vanilla; decoding drafts nothing, predicted tau 1.00, speedup 1.00x)")
     shape = f"{c['nodes']} nodes" + (f", depth {c['depth']}" if c.get("depth", -1) >= 0 else " (budget)")
     return (f"tree: {choice['mode']} -> {shape}; predicted tau {choice['predicted_tau']:.2f}, speedup "
             f"{choice['predicted_speedup']:.2f}x (statistics: {choice['statistics']['source']}, "

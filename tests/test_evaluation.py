@@ -289,6 +289,15 @@ def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path)
     base = fp()
     assert fp("eval.output_dir=/elsewhere", "eval.threads=1") == base
     assert fp("eval.max_new_tokens=7")[0] != base[0] and fp("eval.num_prompts=3") == base
+    # a key added later (eval.tree_fallback) at its off default keeps older progress files resumable; on, it counts
+    from omegaconf import open_dict
+
+    old = compose(rewrite_argv([f"checkpoint={ckpt}"]))
+    with open_dict(old):
+        del old.eval["tree_fallback"]  # a config written before the key existed
+    assert progress_fingerprint(old) == base and fp("eval.tree_fallback=true")[0] != base[0]
+    v = "eval.variants=[{name: a, tree_fallback: false}]"
+    assert fp(v) == fp("eval.variants=[{name: a}]") != fp("eval.variants=[{name: a, tree_fallback: true}]")
     progress = Progress(tmp_path / "progress.jsonl", base, None)
     progress.append({"id": "a", "prompt_sha256": "h", "vanilla": {}, "methods": []})
     (ckpt / "model.safetensors").write_bytes(b"v2")  # retrained in place

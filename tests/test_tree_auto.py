@@ -272,3 +272,49 @@ def test_plan_threads_sizes_a_one_thread_run_for_the_timing_threads(tiny_base, t
     cal = json.loads(open(trees["one"]["statistics"]["path"]).read())
     assert set(cal["drafter_cost"]) == {"1", "2"} and "threads" not in cal["key"]
     assert cal["drafter_cost"]["1"]["prompts"] == 3 and cal["drafter_cost"]["1"]["passes"] > 0
+
+
+@pytest.mark.parametrize("head", ["ctc", "falcon"])
+def test_tree_fallback_decodes_without_a_tree_only_when_every_tree_is_slower(tiny_base, tiny_model_dir, tmp_path,
+                                                                             sharegpt, head, monkeypatch):
+    """``eval.tree_fallback=true``: with a planted c(n) that makes every tree slower than vanilla decoding
+    (+2 s per extra node on a 1 s step), auto drafts nothing (τ 1, no drafter pass, parity kept); with
+    cheap nodes (+1 ms) it keeps its tree; off, or with a fixed ``eval.tree_nodes``, it never falls back."""
+    import evaluation.tree_auto as tree_auto
+
+    monkeypatch.setattr(AcceptanceStats, "rank_acceptance", lambda self: [[0.7, 0.2, 0.05]] * 8)
+    monkeypatch.setattr(AcceptanceStats, "budget_tau", lambda self: {1: 1.0, 2: 1.6, 3: 1.9, 4: 2.3, 6: 2.6, 8: 2.8})
+    real_measure = tree_auto.load_or_measure
+    per_node = {"ms": 2000.0}
+
+    def planted_cost(*args, **kwargs):
+        cost = real_measure(*args, **kwargs)
+        cost.verify_ms = [1000.0 + per_node["ms"] * (n - 1) for n in cost.sizes]
+        return cost
+
+    monkeypatch.setattr(tree_auto, "load_or_measure", planted_cost)
+    reps = {}
+    for name, ms, extra in [("dear", 2000.0, ["eval.tree_fallback=true"]), ("dear_off", 2000.0, []),
+                            ("dear_fixed", 2000.0, ["eval.tree_fallback=true", "eval.tree_nodes=4"]),
+                            ("cheap", 1.0, ["eval.tree_fallback=true"])]:
+        per_node["ms"] = ms
+        cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, head, "eval.tree=auto", *extra,
+                   f"eval.output_dir={tmp_path / name}")
+        if not reps:
+            _save_head(cfg, tiny_base, tmp_path)
+        reps[name] = run_evaluation(cfg, base=tiny_base)
+        assert reps[name]["parity"]["matched"] == 2, name
+    dear = reps["dear"]
+    chosen = dear["tree"]["chosen"]
+    assert chosen["fallback"] == "vanilla" and chosen["nodes"] == 1 and dear["tree"]["predicted_speedup"] == 1.0
+    best = chosen["best_tree"]
+    assert best["speedup"] < 1.0 and best == reps["dear_off"]["tree"]["chosen"]  # the tree it replaced, as chosen when off
+    assert dear["tau"] == 1.0
+    for p in dear["per_prompt"]:
+        st = p["stats"]
+        assert st["drafter_passes"] == 0 and st["tree_nodes"] == 0 and st["steps"] == st["new_tokens"] - 1
+    assert "fallback" not in reps["dear_off"]["tree"]["chosen"]
+    assert "fallback" not in reps["dear_fixed"]["tree"]["chosen"] and reps["dear_fixed"]["tree"]["chosen"]["nodes"] <= 4
+    cheap = reps["cheap"]["tree"]["chosen"]
+    assert "fallback" not in cheap and cheap["nodes"] > 1 and cheap["speedup"] > 1.0
+    assert "no tree" in tree_auto.describe(dear["tree"]) and "no tree" not in tree_auto.describe(reps["cheap"]["tree"])
