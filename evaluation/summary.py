@@ -44,7 +44,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """A markdown document: the main table (one row per variant/head: training seconds and steps
     when the rows carry ``train_seconds`` / ``train_steps``, prompts, τ, acceptance at
     depth 1/2/3, base forwards per token, drafter time share, speedup mean ± std, tree, parity per
-    turn), then τ / speedup per category when the prompts carry categories.
+    turn), the early exits of layer-skipping heads (rows whose ``decoder_summary`` has
+    ``early_exit_rate``: AdaDecode), then τ / speedup per category when the prompts carry categories.
 
     Args:
         rows: :func:`evaluation.runner.summary_row` dicts (``variant`` may be None: one method).
@@ -80,6 +81,17 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
                      + " | ".join(_f(a) for a in acc[:3])
                      + f" | {_f(r.get('base_forwards_per_token'), '{:.3f}')} | {trees}{_f(r.get('drafter_time_share'))} | "
                        f"{speedup_text(r)} | " + ("" if timed else f"{tree_text(tree)} | ") + f"{parity} |")
+    exits = [r for r in rows if (r.get("decoder_summary") or {}).get("early_exit_rate") is not None]
+    if exits:  # layer-skipping heads (AdaDecode) have no τ: their early exits, as decoded in the τ runs
+        lines += ["", "## Early exits (τ runs)", "",
+                  "| method | accepted exits / token | exit attempts / token | rejection rate | layer steps / token "
+                  "(vanilla) | layer-step speedup |", "|---|---:|---:|---:|---:|---:|"]
+        for r in exits:
+            d = r["decoder_summary"]
+            lines.append(f"| {r.get('variant') or r.get('head_type') or '-'} | {_f(d.get('early_exit_rate'))} | "
+                         f"{_f(d.get('exit_attempt_rate'))} | {_f(d.get('rejection_rate'))} | "
+                         f"{_f(d.get('layer_steps_per_token'))} ({_f(d.get('vanilla_layer_steps_per_token'), '{}')}) | "
+                         f"{_f(d.get('layer_step_speedup'))}× |")
     cats = []
     for r in rows:
         cats += [c for c in (r.get("per_category") or {}) if c not in cats]

@@ -406,7 +406,7 @@ def predict_adadecode(cfg, decoder, model, tokenizer, eval_prompts, eos_ids) -> 
         labels = res.logits[0, t0:].argmax(-1)
         _, c, a, _ = head._chunk_stats(hs[L][0, t0:], *[hs[layer][0, t0:] for layer in head.layers], want_preds=True)
         confs.append(c)
-        correct.append(a == labels.unsqueeze(0))
+        correct.append(head.to_base_ids(a) == labels.unsqueeze(0))  # a: draft-vocabulary indices, labels: base ids
     confs_t, correct_t = torch.cat(confs, 1), torch.cat(correct, 1)
 
     def row(gammas) -> dict[str, float]:

@@ -246,3 +246,10 @@ def test_summary_table_takes_speed_from_timing_and_tau_from_quality():
     assert ("| ctc | 1307 | 201 | 374,555 | 80 | 1.41 | 0.39 | 0.02 | - | 0.712 | auto: 16 nodes | auto: 1 node | "
             "1.00 | 0.16 | 0.84 ± 0.00 (n=3) | 80/80 (t1: 40/40, t2: 40/40); 3 repeats identical |") in md
     assert "| math | 1.44 / 0.84 |" in md
+    assert "Early exits" not in md  # no layer-skipping head
+    ada = {"variant": "adadecode", "prompts": 80, "parity": "80/80",
+           "decoder_summary": {"early_exit_rate": 0.283, "exit_attempt_rate": 0.331, "rejection_rate": 0.146,
+                               "layer_steps_per_token": 28.28, "vanilla_layer_steps_per_token": 30,
+                               "layer_step_speedup": 1.061}}
+    md = summary_markdown([row, ada])
+    assert "| adadecode | 0.28 | 0.33 | 0.15 | 28.28 (30) | 1.06× |" in md

@@ -195,6 +195,64 @@ def test_adadecode_reports_expected_layer_steps_per_gamma_beside_measured(tiny_b
     assert rep["tree"]["measured_layer_steps_per_token"] == rep["method"]["decoder_summary"]["layer_steps_per_token"]
 
 
+def test_adadecode_model_scores_draft_vocabulary_predictions_as_base_ids(tiny_base, tiny_model_dir, tmp_path, sharegpt,
+                                                                        monkeypatch):
+    """Over a draft vocabulary the layer heads' argmax is a draft index; the exit model must map it to a
+    base id before comparing with the greedy label (else nearly every exit looks rejected).  Planted:
+    every layer head predicts base token t* (draft index t* − 1: d2t = every id but 0) and γ = 0, so every
+    token exits at the first candidate layer and is rejected exactly when the greedy token is not t*."""
+    import decoding.vanilla as vanilla
+    import evaluation.tree_auto as tree_auto
+    from heads.adadecode import AdaDecodeHead
+
+    V = tiny_base[0].config.vocab_size
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "adadecode", "heads.layers=[1,2]", "eval.gamma=0.0",
+               f"heads.draft_vocab_size={V - 1}")
+    torch.manual_seed(0)
+    head = heads.build(cfg.heads, tiny_base[0], label_counts=torch.arange(V))  # top V - 1: every id but 0
+    assert head.d2t.tolist() == list(range(1, V))
+    heads.save(head, tmp_path / "ckpt", tiny_base[2].to_dict())
+    emitted, inside = [], {"on": False}
+    real_greedy, real_predict = vanilla.greedy_generate, tree_auto.predict_adadecode
+
+    def recording(*args, **kwargs):
+        out = real_greedy(*args, **kwargs)
+        if inside["on"]:
+            emitted.extend(out[0])
+        return out
+
+    def predicting(*args, **kwargs):
+        inside["on"] = True
+        try:
+            return real_predict(*args, **kwargs)
+        finally:
+            inside["on"] = False
+
+    monkeypatch.setattr(vanilla, "greedy_generate", recording)
+    monkeypatch.setattr(tree_auto, "predict_adadecode", predicting)
+    # t*: a token the held-out continuations emit (greedy tokens of the tiny model on its calibration prompts)
+    with torch.no_grad():
+        probe = [real_greedy(tiny_base[0], p.input_ids, 10, [])[0]
+                 for p in tree_auto.calibration_prompts(cfg, tiny_base[1], [], 3)]
+    counts = torch.bincount(torch.tensor([t for o in probe for t in o]), minlength=V)
+    counts[0] = 0
+    t_star = int(counts.argmax())
+
+    def planted(self, layer, h):
+        z = torch.zeros(*h.shape[:-1], self.draft_vocab_size)
+        z[..., t_star - 1] = 20.0  # draft index of base token t*
+        return z
+
+    monkeypatch.setattr(AdaDecodeHead, "layer_logits", planted)
+    rep = run_evaluation(cfg, base=tiny_base)
+    assert rep["parity"]["matched"] == 2
+    conf = rep["tree"]["adadecode_model"]["configured"]
+    assert emitted and conf["exit_rate"] == 1.0
+    wrong = sum(t != t_star for t in emitted) / len(emitted)
+    misread = sum(t != t_star - 1 for t in emitted) / len(emitted)  # the draft index taken for a base id
+    assert wrong != misread and conf["reject_rate"] == pytest.approx(wrong)
+
+
 def test_cost_measurement_clocks(tiny_base):
     model = tiny_base[0]
     wall = cost_model.measure_verify_ms(model, [1, 4], context_tokens=8, repeats=1)
