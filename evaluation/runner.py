@@ -415,6 +415,9 @@ def prompt_digest(input_ids: torch.Tensor) -> str:
     return sha256_json([int(t) for t in input_ids.reshape(-1).tolist()])
 
 
+# eval keys added after evaluations were first written, each at the value that keeps the behaviour from before
+# it: at that value a key is left out of the progress fingerprint, so those evaluations still resume
+NEUTRAL_EVAL_KEYS: dict[str, Any] = {"tree_fallback": False}
 # eval keys that do not change any prompt's result; shards may differ in these
 UNFINGERPRINTED_EVAL_KEYS = ("output_dir", "threads", "warmup", "fail_on_mismatch", "num_prompts", "prompt_offset",
                              "allow_other_base")
@@ -449,14 +452,15 @@ def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, dict[str, str]
     # larger num_prompts extends a finished evaluation, and shards (prompt_offset) can be combined
     for k in UNFINGERPRINTED_EVAL_KEYS:
         ev.pop(k, None)
-    for holder in [ev] + [v for v in ev.get("variants") or [] if isinstance(v, dict)]:
-        if holder.get("tree_fallback") is False:  # keys added later at their off default: older runs keep resuming
-            holder.pop("tree_fallback")
     if "turns" in ev:  # eval.turns=2 and eval.turns="2" are one setting
         ev["turns"] = str(ev["turns"])
     weights: dict[str, dict[str, str]] = {}  # a retrained checkpoint at the same path must not reuse old results
     slots = [("checkpoint", ev)] + [(f"variants[{i}]", v) for i, v in enumerate(ev.get("variants") or [])
                                     if isinstance(v, dict)]
+    for _, holder in slots:
+        for k, neutral in NEUTRAL_EVAL_KEYS.items():
+            if k in holder and type(holder[k]) is type(neutral) and holder[k] == neutral:
+                holder.pop(k)
     for slot, holder in slots:
         digest = checkpoint_digest(holder.get("checkpoint"))
         if digest is not None:
