@@ -36,7 +36,7 @@ def tree_text(tree: dict[str, Any] | None) -> str:
     """A table cell for :func:`evaluation.runner.tree_summary`: ``auto: 16 nodes, depth 4`` or ``-``."""
     if not tree:
         return "-"
-    depth = f", depth {tree['depth']}" if (tree.get("depth") or -1) >= 0 else ""  # -1: a budget (ctc, EAGLE-3)
+    depth = f", depth {tree['depth']}" if (tree.get("depth") or 0) > 0 else ""  # -1: a budget (ctc, EAGLE-3); 0: the root
     return f"{tree.get('mode')}: {tree.get('nodes')} node{'s' if tree.get('nodes') != 1 else ''}{depth}"
 
 
