@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from decoding.masks import additive_mask
 from decoding.tree import DraftTree
 from decoding.verify import crop_cache
 
@@ -233,7 +234,7 @@ class CTCDrafter:
         pos = torch.arange(past, past + k, device=p.device).unsqueeze(0)
         vis = torch.ones(k, past + k, dtype=torch.bool, device=p.device)
         vis[:, past:] = torch.ones(k, k, dtype=torch.bool, device=p.device).tril()
-        head.run_layer(ctx, head.additive_mask(vis[None, None], ctx.dtype), pos, cache=self.cache)
+        head.run_layer(ctx, additive_mask(vis[None, None], ctx.dtype), pos, cache=self.cache)
         self._feats, self._next_tokens = None, []
         # 2) slot queries at t+1..t+S (t = past + k - 1), seeing the whole cache and each other.
         t = past + k - 1
@@ -241,7 +242,7 @@ class CTCDrafter:
         q = head.slot_inputs(nxt[-1:], feats[-1:])  # [1, S, H]
         spos = torch.arange(t + 1, t + 1 + s, device=p.device).unsqueeze(0)
         svis = torch.ones(1, 1, s, t + 1 + s, dtype=torch.bool, device=p.device)
-        out = head.run_layer(q, head.additive_mask(svis, q.dtype), spos, cache=self.cache)
+        out = head.run_layer(q, additive_mask(svis, q.dtype), spos, cache=self.cache)
         crop_cache(self.cache, t + 1)
         logits = head.slot_logits(out)[0]  # [S, V+1] ([S, N+1] over a draft vocabulary)
         d2t = head.d2t if head.draft_vocab_size is not None else None

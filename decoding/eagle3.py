@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from decoding.falcon import CommittedFeatures, DraftKVCache
-from heads.falcon import additive_mask
+from decoding.masks import additive_mask
 
 
 class Eagle3Drafter(CommittedFeatures):

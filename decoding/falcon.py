@@ -59,7 +59,7 @@ from typing import Any, Sequence
 
 import torch
 
-from heads.falcon import additive_mask
+from decoding.masks import additive_mask
 
 
 # ---------------------------------------------------------------------------------------------

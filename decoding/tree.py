@@ -17,6 +17,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from decoding.masks import additive_mask
+
 
 class TreeError(ValueError):
     """A malformed draft tree (bad parent indices, root, shapes)."""
@@ -150,9 +152,7 @@ class DraftTree:
         """
         n, p = self.num_nodes, int(past_length)
         visible = torch.cat([torch.ones(n, p, dtype=torch.bool), self.ancestor_matrix()], dim=1)
-        mask = torch.zeros(n, p + n, dtype=dtype)
-        mask.masked_fill_(~visible, torch.finfo(dtype).min)
-        return mask.view(1, 1, n, p + n).to(device)
+        return additive_mask(visible, dtype).view(1, 1, n, p + n).to(device)
 
     # ------------------------------------------------------------------ construction
     @classmethod

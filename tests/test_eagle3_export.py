@@ -97,7 +97,7 @@ def read_eagle3(out, base, ids, engine):
 
 def _draftheads_eagle3(head, base, ids):
     from decoding.falcon import DraftKVCache
-    from heads.falcon import additive_mask
+    from decoding.masks import additive_mask
 
     with torch.no_grad():
         o = base(input_ids=ids[None], output_hidden_states=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from decoding.falcon import FalconTreeTemplate
-from heads.falcon import additive_mask
+from decoding.masks import additive_mask
 
 
 # -- tree template -------------------------------------------------------------------------------
