@@ -35,9 +35,7 @@ def head_modules() -> list[str]:
     and not starting with ``_``, sorted."""
     import pkgutil
 
-    import heads
-
-    return sorted(f"heads.{m.name}" for m in pkgutil.iter_modules(heads.__path__)
+    return sorted(f"heads.{m.name}" for m in pkgutil.iter_modules([str(Path(__file__).parent)])
                   if not m.name.startswith("_") and m.name not in NON_HEAD_MODULES)
 
 
