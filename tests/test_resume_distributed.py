@@ -43,7 +43,7 @@ HEAD_ARGS = {
 
 @pytest.fixture(scope="module")
 def cache(tiny_model_dir, tmp_path_factory):
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
 
     root = tmp_path_factory.mktemp("resume_dist")
     return write_random_cache(root / "cache", tiny_model_dir, n_train=20, n_val=4, layers=LAYERS,

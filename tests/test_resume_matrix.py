@@ -43,7 +43,7 @@ class Kill(RuntimeError):
 def caches(tiny_model_dir, tmp_path_factory):
     """Two caches: 16 training conversations (4 batches of 4) and 20 (5 batches: odd, so an epoch
     is not a whole number of accumulation windows unless the sampler pads it)."""
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
 
     root = tmp_path_factory.mktemp("resume_matrix")
     return {n: write_random_cache(root / f"cache{n}", tiny_model_dir, n_train=n, n_val=4, layers=LAYERS,

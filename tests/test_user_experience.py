@@ -281,7 +281,7 @@ def _with_sha(identity, sha):
 
 def test_training_on_a_cache_of_another_base_is_refused(tiny_base, tiny_model_dir, tmp_path, capsys):
     from core.config import UserInputError
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
     from train.run import _cache_datamodule, train
 
     cache = write_random_cache(tmp_path / "cache", tiny_model_dir, n_train=2, n_val=1)
@@ -350,7 +350,7 @@ def test_bad_data_prep_input_leaves_no_cache_directory(tiny_model_dir, tmp_path,
 @pytest.mark.parametrize("n_train,n_val,split", [(3, 0, "val split"), (0, 2, "train split")])
 def test_training_on_an_empty_split_leaves_no_run_directory(tiny_base, tiny_model_dir, tmp_path, n_train, n_val, split):
     from core.config import UserInputError
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
     from train.run import train
 
     cache = write_random_cache(tmp_path / "cache", tiny_model_dir, n_train=n_train, n_val=n_val)
