@@ -222,7 +222,7 @@ class Driver:
         return [f"heads={h.head}", *self.cfg.common, *h.overrides]
 
     def run_dir(self, name: str) -> Path:
-        """``<output_dir>/runs/<heads option>/compare-<name>`` (:func:`train.run.runs_root`)."""
+        """``<output_dir>/runs/<heads option>/compare-<name>`` (:func:`train.run_dirs.runs_root`)."""
         return self.out / "runs" / str(self.cfg.heads[name].head) / f"compare-{name}"
 
     def train_command(self, name: str) -> list[str]:

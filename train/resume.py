@@ -23,6 +23,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from train.run_dirs import runs_root
+
 LAST = "last.ckpt"
 
 
@@ -51,8 +53,6 @@ def resolve_resume(cfg: Any, run_dir_for) -> tuple[Path | None, Path | None]:
         if cfg.train.get("run_name"):
             run_dir = Path(run_dir_for(cfg))
             return last_checkpoint(run_dir), run_dir
-        from train.run import runs_root  # the head variant's namespace of run names
-
         runs = runs_root(cfg)
         found = [ck for d in runs.iterdir() if d.is_dir() and (ck := last_checkpoint(d))] if runs.is_dir() else []
         if not found:

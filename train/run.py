@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import sys
 import shutil
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,51 +35,9 @@ from train.checkpoint_io import SafetensorsCheckpointIO
 from train.data import CacheDataModule
 from train.module import DraftHeadModule, head_monitor
 from train.resume import Preempted, check_resume_config, record_launch
+from train.run_dirs import run_dir_for
 from train.run_logs import record_wandb_run_id
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-
-RUN_NAME_ENV = "DRAFTHEADS_RUN_NAME"
-
-
-def run_dir_for(cfg: DictConfig) -> Path:
-    """``<output_root>/runs/<head variant>/<name>`` (:func:`runs_root`).
-
-    ``name`` is ``train.run_name``; else, in a process launched by another draftheads process
-    (Lightning's DDP / DeepSpeed launcher re-runs this script for ranks > 0), the parent's name
-    from ``$DRAFTHEADS_RUN_NAME``; else ``slurm-<SLURM_JOB_ID>`` inside a Slurm job; else the UTC
-    time ``YYYYmmdd-HHMMSS``.  So all ranks of a run share one directory.
-    """
-    inherited = os.environ.get(RUN_NAME_ENV, "")
-    parent_name = None
-    if ":" in inherited:
-        value, setter = inherited.rsplit(":", 1)
-        parent_name = value if setter == str(os.getppid()) else None
-    name = (cfg.train.run_name or parent_name
-            or (f"slurm-{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else None)
-            or time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
-    os.environ[RUN_NAME_ENV] = f"{name}:{os.getpid()}"
-    return runs_root(cfg) / str(name)
-
-
-def runs_root(cfg: DictConfig) -> Path:
-    """``<output_root>/runs/<head variant>``: the namespace of run names.
-
-    The head variant is the selected ``heads=`` option (``cfg.choices.heads``: ``falcon``,
-    ``falcon_noglance``, ``falcon_k1``, ...), so variants of one head type never share a run
-    directory.  A config without ``choices``, or whose ``heads`` section was replaced by one of
-    another type than the option's YAML (built by hand, e.g. in tests), uses ``heads.type``.
-    """
-    from core.config import CONFIG_DIR
-
-    choices = cfg.get("choices") if isinstance(cfg, DictConfig) else None
-    option = choices.get("heads") if choices is not None else None
-    variant = str(cfg.heads.type)
-    if option:
-        yaml_path = CONFIG_DIR / "heads" / f"{option}.yaml"
-        if yaml_path.is_file() and str(OmegaConf.load(yaml_path).get("type")) == variant:
-            variant = str(option)
-    return Path(cfg.output_root) / "runs" / variant
 
 
 def metrics_csv(run_dir: str | os.PathLike) -> Path:
@@ -436,14 +393,26 @@ def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> C
                            train_reader=readers["train"], val_reader=readers["val"])
 
 
+#: ``python -m train --help`` text (train/__main__.py runs :func:`main`)
+USAGE = """``python -m train heads=<ctc|falcon|falcon_k1|eagle3|adadecode> [key=value ...]``: train a draft head on the cache.
+
+Examples::
+
+    python -m train heads=ctc train.max_steps=2000 train.optimizer.lr=3e-4
+    python -m train heads=falcon train.logger=csv train.run_name=falcon-k2
+
+Writes ``<output_root>/runs/<head>/<run_name>/`` (see :mod:`train.run`); exit status 2 on a bad
+config key or value.
+"""
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """CLI entry: compose the config from ``argv`` (or ``sys.argv``), train, print the exports."""
-    import train.__main__ as entry
     from core.config import run_cli
 
     from train.strategies import shutdown_distributed
 
-    result = run_cli(train, argv, entry.__doc__)
+    result = run_cli(train, argv, USAGE)
     shutdown_distributed()  # every rank got here: training ended, or all agreed on the pre-emption stop
     stop = result.get("preempted")
     if stop is not None:
