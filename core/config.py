@@ -155,7 +155,7 @@ def check_override_type(key: str, default, value) -> None:
     accepted here (the section's registered checks decide whether the key may be null); keys whose
     default is a string or null accept any value (they are unions such as ``train.devices`` or
     ``resume``, checked by their section's validator).  Used by :func:`compose` for every
-    ``key=value`` and by ``evaluation.runner.variant_configs`` for every ``eval.variants`` entry.
+    ``key=value`` and by ``evaluation.methods.variant_configs`` for every ``eval.variants`` entry.
 
     Raises:
         ConfigError: ``key=value`` has the wrong type; the message names the key, the value and the

@@ -11,7 +11,8 @@ from decoding.vanilla import VanillaDecoder, eos_token_ids, greedy_generate
 from evaluation.__main__ import main, rewrite_argv
 from evaluation.merge import main as merge_main
 from evaluation.prompts import Prompt, PromptError, load_prompts, template
-from evaluation.runner import ParityError, prompt_digest, read_progress, run_evaluation
+from evaluation.progress import prompt_digest, read_progress
+from evaluation.runner import ParityError, run_evaluation
 from evaluation.turns import follow_up_prompt
 
 

@@ -12,7 +12,8 @@ from decoding.vanilla import VanillaDecoder
 from evaluation.__main__ import main, rewrite_argv
 from evaluation.prompts import PromptError, read_jsonl_prompts
 from evaluation.merge import main as merge_main, merge_progress
-from evaluation.runner import ParityError, run_evaluation, write_progress
+from evaluation.progress import write_progress
+from evaluation.runner import ParityError, run_evaluation
 
 
 @pytest.fixture
@@ -280,7 +281,7 @@ def test_interrupted_evaluation_resumes_without_redecoding(tiny_base, tiny_model
 
 
 def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path):
-    from evaluation.runner import Progress, progress_fingerprint
+    from evaluation.progress import Progress, progress_fingerprint
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

@@ -11,7 +11,8 @@ import torch
 
 from core.config import ConfigError, compose
 from evaluation.__main__ import main as eval_main, rewrite_argv
-from evaluation.runner import make_figure, run_evaluation
+from evaluation.plots import make_figure
+from evaluation.runner import run_evaluation
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -207,7 +208,7 @@ def test_adadecode_totals_are_recomputed_from_summed_counts(tiny_base, tiny_mode
                                                   / sum(r["method_seconds"] for r in rows))
         assert m["totals"]["max_inflight_seen"] == max(s["max_inflight_seen"] for s in stats)
         # the console and the PNG show AdaDecode's own figures
-        from evaluation.runner import format_summary
+        from evaluation.report import format_summary
 
         text = format_summary(rep)
         assert f"rejection rate {ds['rejection_rate'] if ds['rejection_rate'] is None else format(ds['rejection_rate'], '.3f')}".replace("None", "-") in text
