@@ -23,7 +23,7 @@ Formats
     ``bias: false`` (SGLang builds ``fc`` with ``bias=getattr(config, "bias", False)``),
     ``tie_word_embeddings: false``, and ``eagle_config.eagle_aux_hidden_state_layer_ids`` =
     [ℓ−1 for the head's hs ids ℓ] (SGLang ≥ 0.4.9's ``set_eagle3_layers_to_capture`` adds 1: an id
-    names a layer's *output*; 0.4.6–0.4.8 ignore ids and capture the default layers).  The
+    names a layer's *output*; 0.4.6–0.4.8 ignore ids and build ``fc`` with a bias: not targets).  The
     top-level ``eagle_aux_hidden_state_layer_ids`` = the hs ids ℓ is written too: vLLM, which also
     serves this layout, reads that key first and captures the *input* of layer ℓ (with only
     ``eagle_config``'s ids it would read every feature one layer early).  Weights: ``midlayer.self_attn.{q,k,v,o}_proj.weight``,
@@ -203,7 +203,7 @@ def build_export(meta: dict[str, Any], state: dict[str, torch.Tensor], fmt: str,
                        eagle_config={"eagle_aux_hidden_state_layer_ids": [l - 1 for l in layers],
                                      "use_aux_hidden_state": True},
                        eagle_aux_hidden_state_layer_ids=layers,  # vLLM reads this key first (hs ids)
-                       draftheads={"engines": engine_metadata(fmt, layers, int(meta["base"]["num_hidden_layers"]), None)})
+                       draftheads={"engines": engine_metadata(fmt, layers, None)})
             return cfg, _eagle3_weights(meta, state, "midlayer.")
         if engine_inputs is None:
             raise ExportError(f"--format {fmt}: needs the verifier (an HF folder or hub id) and the base's embedding")
@@ -221,7 +221,7 @@ def build_export(meta: dict[str, Any], state: dict[str, torch.Tensor], fmt: str,
                                       "verifier": {"name_or_path": verifier,
                                                    "architectures": [meta["base"].get("architecture")]}},
                "dtype": "float32",
-               "draftheads": {"engines": engine_metadata(fmt, layers, int(meta["base"]["num_hidden_layers"]), verifier)}}
+               "draftheads": {"engines": engine_metadata(fmt, layers, verifier)}}
         tensors = _eagle3_weights(meta, state, "layers.0.")
         tensors["embed_tokens.weight"] = embedding
         return out, tensors

