@@ -45,7 +45,8 @@ Formats
     is an absolute HF folder or a hub id (``--verifier``; default ``--base``, else the training
     base; a GGUF becomes its converted folder under ``~/.cache/draftheads/models``), never a GGUF
     or relative path (speculators loads it with ``AutoConfig``).  Weights as ``sglang`` with the
-    prefix ``layers.0.`` instead of ``midlayer.`` (vLLM maps both), plus ``embed_tokens.weight``
+    prefix ``layers.0.`` instead of ``midlayer.`` (vLLM maps both) and no ``d2t``/``t2d`` for a
+    full-vocabulary head (both engines build no mapping then), plus ``embed_tokens.weight``
     [V, H], the base's embedding bit for bit (speculators reads the embedding from the export
     only; vLLM finds it equal to the target's and shares the target's).
 ``eagle1`` (Falcon with ``block_size: 1`` and ``fuse: linear``, i.e. ``heads=falcon_k1``) —
@@ -144,16 +145,21 @@ def check_base(meta: dict[str, Any], base: str | None) -> None:
         raise ExportError(f"--base {base}: GGUF sha256 {sha[:12]}… differs from the training base's {trained['sha256'][:12]}…")
 
 
-def _eagle3_weights(meta, state, prefix: str) -> dict[str, torch.Tensor]:
+def _eagle3_weights(meta, state, prefix: str, mapping_if_full: bool = True) -> dict[str, torch.Tensor]:
+    """The EAGLE-3 tensors under the engines' names.  ``mapping_if_full=False`` (speculators
+    layout): no ``d2t``/``t2d`` for a full-vocabulary head, since speculators and vLLM build no
+    mapping when ``draft_vocab_size`` = V (speculators reports them unexpected; vLLM has no
+    parameter to load them into)."""
     from heads.draft_vocab import d2t_offsets, t2d_mask
 
     V = int(meta["base"]["vocab_size"])
     # absolute base ids per draft index: the shared ``d2t`` buffer (DraftHead), arange(V) without a draft vocabulary
     ids = state["d2t"].long() if "d2t" in state else torch.arange(V, dtype=torch.int64)
     out = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
-           "lm_head.weight": state["trainable_lm_head.weight"],
-           "d2t": d2t_offsets(ids),  # the engines' offsets: target id = d + d2t[d]
-           "t2d": t2d_mask(ids, V)}
+           "lm_head.weight": state["trainable_lm_head.weight"]}
+    if mapping_if_full or ids.numel() != V:
+        out.update(d2t=d2t_offsets(ids),  # the engines' offsets: target id = d + d2t[d]
+                   t2d=t2d_mask(ids, V))
     for k, v in state.items():
         if k.startswith("midlayer."):
             out[prefix + k[len("midlayer."):]] = v
@@ -222,7 +228,7 @@ def build_export(meta: dict[str, Any], state: dict[str, torch.Tensor], fmt: str,
                                                    "architectures": [meta["base"].get("architecture")]}},
                "dtype": "float32",
                "draftheads": {"engines": engine_metadata(fmt, layers, verifier)}}
-        tensors = _eagle3_weights(meta, state, "layers.0.")
+        tensors = _eagle3_weights(meta, state, "layers.0.", mapping_if_full=False)
         tensors["embed_tokens.weight"] = embedding
         return out, tensors
     # eagle1

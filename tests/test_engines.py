@@ -47,9 +47,10 @@ DEPTH = 3
 STEP_TOLERANCE = {"prompts": 1, "rate": 0.02}
 LOGIT_ATOL = 1e-4
 SUITE_OVERRIDES = ["prep.layers=[2,15,27]", "labels=teacher_forced"]
-SUITE_TRAIN = ["heads=eagle3", "train.max_steps=150", "train.val_every_n_steps=150", "train.logger=csv",
-               "train.run_name=engines_suite", "train.optimizer.lr=3e-4", "train.warmup_steps=20",
-               "train.progress_bar=false"]
+#: a short-trained head (docs/engines.md): 150 steps or 15 minutes, whichever comes first
+SUITE_TRAIN = ["heads=eagle3", "heads.ttt_steps=3", "train.max_steps=150", "train.max_time=900",
+               "train.val_every_n_steps=150", "train.logger=csv", "train.run_name=engines_suite",
+               "train.optimizer.lr=3e-4", "train.scheduler.warmup_steps=20", "train.progress_bar=false"]
 
 
 def _py(args, timeout=3600, **kw):
@@ -162,9 +163,6 @@ def test_vllm_acceptance_equals_our_evaluation(vllm_runs, ours):
     for d, (x, y) in enumerate(zip(a["rate_per_pos"], b["rate_per_pos"]), 1):
         assert abs(x - y) <= STEP_TOLERANCE["rate"], f"position {d}: vLLM {x:.3f} vs ours {y:.3f}"
     assert sum(b["accepted_per_pos"]) > 0  # the head drafts something right: the comparison has content
-    # our report's per-depth acceptance is the same statistic
-    ours_acc = [sum(r["methods"][0]["stats"]["accepted_per_depth"][d] for r in recs.values()) for d in range(DEPTH)]
-    assert ours_acc == b["accepted_per_pos"] or differ
     for p, steps in zip(spec, theirs):
         trimmed = [sum(1 for e in steps if e >= d + 1) for d in range(1, DEPTH + 1)]
         assert p["drafts"] == len(steps)  # one draft per verification step
@@ -193,7 +191,7 @@ def test_speculators_loads_the_export_and_matches_our_draft_logits(engines_pytho
     from losses.ttt import shift_left
 
     base, _, _ = load_base_model({"path": None, "dtype": "float32", "attn_implementation": "eager"})
-    head = heads.load(checkpoint, base_model=base).eval()
+    head = heads.load(checkpoint, base_model=base)[0].eval()
     ids = prompts[0].input_ids[None]
     T = ids.shape[1]
     steps = int(head.ttt_steps)

@@ -189,3 +189,20 @@ def test_bad_export_target_fails_before_writing(tiny_base, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(e3), "--format", "tensorrt", str(tmp_path / "x")])
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, no temporary directory
+
+
+def test_full_vocabulary_head_has_no_mapping_in_the_speculators_layout(tiny_base, tmp_path):
+    """draft_vocab_size = V: speculators builds no d2t/t2d buffers (it reported them as unexpected
+    keys) and vLLM no draft_id_to_target_id parameter, so the layout leaves them out; the sglang
+    layout keeps them (SGLang maps through hot_token_id = d2t + arange, the identity here)."""
+    from heads.export import export
+
+    head, ckpt = _eagle3(tiny_base, tmp_path)
+    V = tiny_base[0].config.vocab_size
+    assert head.num_draft_tokens == V
+    for fmt in ("vllm", "speculators"):
+        out = export(ckpt, fmt, tmp_path / fmt)
+        assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == V
+        assert not {"d2t", "t2d"} & set(load_file(out / "model.safetensors"))
+    W = load_file(export(ckpt, "sglang", tmp_path / "s") / "model.safetensors")
+    assert torch.equal(W["d2t"], torch.zeros(V, dtype=torch.long)) and bool(W["t2d"].all())
