@@ -189,7 +189,7 @@ def _ours_vanilla(ckpt: str, prompts_path: str | None, num: int | None, turns: s
     """``python -m evaluation`` (vanilla timing; the head decodes too, as a parity check)."""
     args = [sys.executable, "-m", "evaluation", "heads=eagle3", f"checkpoint={ckpt}",
             "eval.decoding={depth: 3, topk: 1, total_tokens: 3}", f"eval.threads={threads}",
-            f"eval.dtype={dtype}", f"model.dtype={dtype}", f"eval.max_new_tokens={max_new}", f"eval.turns={turns}",
+            f"eval.dtype={dtype}", f"eval.max_new_tokens={max_new}", f"eval.turns={turns}",
             f"eval.output_dir={out}", "eval.fail_on_mismatch=false", "eval.tree=config"]
     args += [f"eval.num_prompts={num if num is not None else 'null'}"]
     if prompts_path:
