@@ -33,7 +33,7 @@ Two roles in one file:
   prefill: 1 + accepted drafts, cut at eos / max_tokens as vLLM cuts its output), ``seconds``
   (wall time of the request, prefill included), ``drafts`` and ``accepted_per_pos`` (vLLM's own
   spec-decode counters for this prompt, *before* the cut: vLLM counts drafts it accepted past
-  max_tokens), plus ``versions`` and ``log_lines`` of interest.  Greedy (temperature 0), batch
+  max_tokens), plus ``versions``; the caller keeps the engine's log (``run_vllm``: ``log``).  Greedy (temperature 0), batch
   size 1, one request at a time, as draftheads' evaluation.
 
 Threads: ``VLLM_CPU_OMP_THREADS_BIND=0-{threads-1}``; vLLM recommends Intel OpenMP for
@@ -76,20 +76,10 @@ def run_worker(request_path: str, result_path: str) -> int:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: one import of vllm
     import importlib.metadata as md
-    import logging
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    interesting = []
-
-    class _Grab(logging.Handler):
-        def emit(self, record):  # the load decisions the tests check (embedding sharing, layer ids)
-            msg = record.getMessage()
-            if any(k in msg for k in ("embed_tokens", "auxiliary layers", "lm_head", "speculative")):
-                interesting.append(msg)
-
-    logging.getLogger("vllm").addHandler(_Grab())
     t0 = time.perf_counter()
     kwargs = dict(model=req["model"], dtype=req["dtype"], max_model_len=int(req.get("max_model_len", 2048)),
                   seed=0, enforce_eager=True, disable_log_stats=False, max_num_seqs=1, distributed_executor_backend="uni",
@@ -138,7 +128,7 @@ def run_worker(request_path: str, result_path: str) -> int:
     Path(result_path).write_text(json.dumps({"versions": versions, "load_seconds": load_seconds, "threads": threads,
                                              "dtype": req["dtype"], "speculative": req.get("speculative"),
                                              "ld_preload": os.environ.get("LD_PRELOAD", ""),
-                                             "prompts": results, "log_lines": interesting}))
+                                             "prompts": results}))
     return 0
 
 
