@@ -17,7 +17,7 @@ from typing import Any
 from core.io import atomic_save_safetensors, atomic_write_json
 
 #: modules of the ``heads`` package that define no head (never imported by the registry scan)
-NON_HEAD_MODULES = ("base", "registry", "export")
+NON_HEAD_MODULES = ("base", "registry", "export", "export_engines")
 HEADS: dict[str, type] = {}
 FORMAT_VERSION = 1
 
