@@ -418,6 +418,11 @@ def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> C
         raise UserInputError(f"cache {cache_dir}: the {' and '.join(empty)} split{'s hold' if len(empty) > 1 else ' holds'} "
                              "0 conversations; training needs both (prepare more data: raise "
                              "data.max_conversations or data.heldout_fraction, or check data.path)")
+    from data_prep.verify import verify_cache
+
+    # every shard's size, and its SHA-256 once per file version (data_prep.verify: a stamp keyed by size/mtime/inode)
+    verify_cache(cache_dir, readers, full=str(cfg.train.get("verify_cache", "auto")) == "full",
+                 quiet=rank_zero_only.rank != 0)
     from core.base_model import check_same_base
 
     for split, reader in readers.items():
