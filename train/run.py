@@ -324,15 +324,43 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     record_wandb_run_id(run_dir, trainer.loggers)
     for lg in trainer.loggers:  # rank-zero-only inside Lightning's loggers
         lg.log_hyperparams({**to_container(cfg), "world_size": trainer.world_size})
+    interrupted_exports: dict[str, Path] = {}
+
+    def export_on_interrupt(trainer_: pl.Trainer) -> None:  # Ctrl-C: inside fit, so ZeRO can still gather
+        head_ = consolidated_head(trainer_, module)
+        interrupted_exports.update(export_checkpoints(trainer_, module, ckpt_cb, run_dir, identity_dict, head=head_))
+
+    from train.resume import Preemption
+
+    for cb in trainer.callbacks:
+        if isinstance(cb, Preemption):
+            cb.on_interrupt = export_on_interrupt
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    except Preempted as stop:
+    except Preempted as stop:  # SIGINT also exported last/ and best/ (export_on_interrupt); SIGTERM/SIGUSR1 did not
         return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
-                "exports": {}, "preempted": stop}
+                "exports": dict(interrupted_exports), "preempted": stop}
     head = consolidated_head(trainer, module)  # collective under ZeRO (gathers fp32 masters)
     exports = export_checkpoints(trainer, module, ckpt_cb, run_dir, identity_dict, head=head)
     return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
             "exports": exports, "preempted": None}
+
+
+def resume_command(argv: list[str], run_name: str) -> str:
+    """The shell command that continues this run: ``python -m train`` with ``argv`` minus any
+    ``resume=``, plus ``train.run_name=<run_name>`` when ``argv`` names none (so ``resume=auto``
+    finds this run, not a newer one), plus ``resume=auto``.  ``python`` is this interpreter
+    (``sys.executable``) unless ``python`` on ``$PATH`` is that same path."""
+    import shlex
+
+    python = sys.executable
+    found = shutil.which("python")
+    if found and os.path.abspath(found) == os.path.abspath(python):  # not realpath: a venv python is a symlink
+        python = "python"
+    args = [a for a in argv if not a.startswith("resume=")]
+    if not any(a.startswith("train.run_name=") for a in args):
+        args.append(f"train.run_name={run_name}")
+    return " ".join(shlex.quote(a) for a in [python, "-m", "train", *args, "resume=auto"])
 
 
 def _checkpoint_step(path: str | os.PathLike) -> int:
@@ -452,7 +480,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shutdown_distributed()  # every rank got here: training ended, or all agreed on the pre-emption stop
     stop = result.get("preempted")
     if stop is not None:
-        print(f"pre-empted: {stop}")
+        import signal
+
+        if stop.signum == signal.SIGINT:
+            if rank_zero_only.rank == 0:
+                saved = ", ".join(f"{name}/" for name in result["exports"])
+                print(f"interrupted (Ctrl-C) after optimizer step {stop.step}: saved {stop.path}"
+                      f"{' and ' + saved if saved else ''} in {result['run_dir']}")
+                print("resume with: " + resume_command(list(sys.argv[1:] if argv is None else argv),
+                                                       Path(result["run_dir"]).name))
+        else:
+            print(f"pre-empted: {stop}")
         raise SystemExit(128 + stop.signum)
     if result["exports"]:
         for name, path in result["exports"].items():
