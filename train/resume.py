@@ -311,8 +311,13 @@ def _slurm_requeue(trainer) -> None:
 MAY_CHANGE_ON_RESUME = (
     "resume", "output_root", "train.run_name", "train.devices", "train.num_nodes", "train.accelerator",
     "train.logger", "train.wandb_project", "train.progress_bar", "train.log_every_n_steps", "train.num_workers",
-    "train.sanity_val_steps", "strategy.*", "eval.*",
+    "train.sanity_val_steps", "train.verify_cache", "strategy.*", "eval.*",
 )
+
+#: Keys added to the config after runs were recorded without them, with the value that trains as
+#: before they existed: absent from a run's recorded ``config.yaml`` and at this value now, they are
+#: unchanged (so runs started before the key existed still resume).
+ADDED_KEYS_NEUTRAL = {"train.val_schedule": "steps", "train.val_first_tokens": 32768, "train.val_factor": 2.0}
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -333,6 +338,9 @@ def changed_run_keys(recorded: dict[str, Any], current: dict[str, Any]) -> dict[
     (a key present on one side only counts, as ``<absent>``); keys in :data:`MAY_CHANGE_ON_RESUME` are ignored."""
     a, b = _flatten(recorded), _flatten(current)
     missing = "<absent>"
+    for k, neutral in ADDED_KEYS_NEUTRAL.items():  # a run recorded before the key existed
+        if k not in a and b.get(k, missing) == neutral:
+            a[k] = neutral
     return {k: (a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
             if not _may_change(k) and a.get(k, missing) != b.get(k, missing)}
 

@@ -11,8 +11,10 @@ runs live under ``runs/falcon_k1/``)::
     launches/<n>.yaml         resolved config of each resumed launch (config.yaml stays the first's)
     csv/metrics.csv           one metrics record for all launches (train/loss, val/loss, val/sim_tau, tokens/s...);
                               ``step`` = finished optimizer steps, as in the checkpoint names
-    wandb/, wandb_run_id      the run's one W&B run (online when wandb finds credentials, see train.run_logs)
-    best/, last/              exported heads: model.safetensors + config.json (heads.save)
+    wandb/, wandb_run_id      the run's one W&B run (online when wandb finds credentials, see train.wandb_mode)
+    record.json               every validation's step, tokens seen, loss, sim_tau; the best; checkpoints kept
+    val_curve.png             validation tau (or the monitor) and loss against tokens seen (train.val_schedule)
+    best/, last/              exported heads: model.safetensors + config.json (heads.save); Ctrl-C exports both
 """
 from __future__ import annotations
 
@@ -122,10 +124,15 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
     every validation (:class:`train.resume.RunCheckpoint`); SIGTERM / SIGUSR1 checkpoint at the
     next optimizer-step boundary and stop (:class:`train.resume.Preemption`); checkpoints go through
     :class:`~train.checkpoint_io.SafetensorsCheckpointIO` (no pickle, atomic).
-    Validation runs every ``train.val_every_n_steps`` optimizer steps, on every rank's shard.
+    Validation runs every ``train.val_every_n_steps`` optimizer steps (``train.val_schedule=steps``)
+    or log-spaced in tokens seen (``log``; :class:`train.val_schedule.ValidationSchedule`, which also
+    writes ``record.json`` and ``val_curve.png``), on every rank's shard.
     """
     t = cfg.train
-    if int(t.max_steps) > 0 and int(t.max_steps) % int(t.val_every_n_steps):
+    from train.val_schedule import NEVER, ValidationSchedule
+
+    val_kind = str(t.get("val_schedule", "steps"))
+    if val_kind == "steps" and int(t.max_steps) > 0 and int(t.max_steps) % int(t.val_every_n_steps):
         from lightning.pytorch.utilities import rank_zero_warn
 
         rank_zero_warn(f"train.max_steps={t.max_steps} is not a multiple of train.val_every_n_steps="
@@ -138,7 +145,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
     ckpt = RunCheckpoint(dirpath=str(run_dir / "checkpoints"), monitor=monitor, mode=mode,
                          save_top_k=int(t.save_top_k), save_last=True, filename="step{step:07d}",
                          auto_insert_metric_name=False)
-    cbs = [ckpt, DataPosition(), Preemption(ckpt), DistributedInfo(), *(callbacks or [])]
+    # before Preemption: it asks Lightning whether a validation is due, which the log schedule decides
+    schedule = ValidationSchedule(val_kind, int(t.val_every_n_steps), int(t.get("val_first_tokens", 32768)),
+                                  float(t.get("val_factor", 2.0)), run_dir=run_dir, monitor=monitor, mode=mode,
+                                  checkpoint_dir=run_dir / "checkpoints")
+    cbs = [ckpt, DataPosition(), schedule, Preemption(ckpt), DistributedInfo(), *(callbacks or [])]
     if bool(t.progress_bar):
         from train.run_logs import StepProgressBar
 
@@ -156,7 +167,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
         # the checkpoint, so a resumed run continues the same budget)
         max_time=timedelta(seconds=float(t.max_time)) if t.get("max_time") is not None else None,
         accumulate_grad_batches=accumulate,
-        val_check_interval=int(t.val_every_n_steps) * accumulate,
+        # val_schedule=log: train.val_schedule.ValidationSchedule sets trainer.val_check_batch per batch
+        val_check_interval=NEVER if val_kind == "log" else int(t.val_every_n_steps) * accumulate,
         check_val_every_n_epoch=None,
         limit_val_batches=t.limit_val_batches if t.limit_val_batches is not None else 1.0,
         num_sanity_val_steps=int(t.sanity_val_steps),
