@@ -6,17 +6,21 @@ would train silently on garbage - NaN losses, NaN exported weights, exit 0.  So 
 
 * **always** (a ``stat`` per shard, free): the file exists and its size is the manifest's ``bytes``;
 * **SHA-256 once per version of the file**: a shard is hashed and compared with the manifest's
-  ``sha256`` unless the split's stamp file ``.verified.json`` records that this very file - same
-  size, same modification time (ns), same inode - was already hashed to the manifest's SHA-256.
-  A passing shard is added to the stamp (written atomically).  Anything that rewrites a shard
-  (data prep, a copy, an edit) changes its mtime or inode, so the next start hashes it again; a
-  40 GB cache is hashed at its first training start and not on every resume.
+  ``sha256`` unless the split's stamp records that this very file - same size, same modification
+  time (ns), same inode - was already hashed to the manifest's SHA-256.  A passing shard is added
+  to the stamp (written atomically).  Anything that rewrites a shard (data prep, a copy, an edit)
+  changes its mtime or inode, so the next start hashes it again; a 40 GB cache is hashed at its
+  first training start and not on every resume.
 * ``full=True`` (``train.verify_cache=full``) ignores the stamp and hashes every shard.
+
+Stamps live outside the cache, in ``<$DRAFTHEADS_CACHE or ~/.cache/draftheads>/verified/<hash of
+the split's absolute path>.json`` (so training never writes into a cache: it stays the bytes data
+prep wrote, and read-only caches get stamps too), and only for splits of at least
+:data:`STAMP_MIN_BYTES` (a smaller split is hashed faster than a stamp is worth).
 
 What the stamp cannot see: bytes that change on disk without the file's mtime/inode changing
 (silent media corruption after the first check).  ``train.verify_cache=full`` covers that.
-A read-only cache directory is verified the same way; its stamp just cannot be written (every
-start then hashes, and says so once).
+When the stamp directory cannot be written, every start hashes again (and says so once).
 
 A mismatch raises :class:`CacheIntegrityError` naming the shard, what differs, and the data prep
 command that rewrites it (:func:`rebuild_hint`: data prep re-hashes every shard it finds and
@@ -36,8 +40,9 @@ from typing import Any
 from core.config import UserInputError
 from core.io import atomic_write_json, sha256_file
 
-STAMP = ".verified.json"
 STAMP_FORMAT = "draftheads-verified-v1"
+#: splits smaller than this (bytes of all shards) are hashed at every start, without a stamp
+STAMP_MIN_BYTES = 64 << 20
 
 
 class CacheIntegrityError(UserInputError):
@@ -54,15 +59,29 @@ class VerifyReport:
     bytes_hashed: int = 0
     seconds: float = 0.0
     stamp_written: bool = True
+    stamp: Path | None = None  # the stamp file (None: the split is below STAMP_MIN_BYTES)
 
 
 def _file_key(st: os.stat_result) -> dict[str, int]:
     return {"bytes": int(st.st_size), "mtime_ns": int(st.st_mtime_ns), "inode": int(st.st_ino)}
 
 
-def _read_stamp(directory: Path) -> dict[str, Any]:
+def stamp_path(directory: str | os.PathLike, stamp_dir: str | os.PathLike | None = None) -> Path:
+    """Where the stamp of split ``directory`` lives: ``<stamp_dir>/<sha256(absolute path)[:24]>.json``,
+    ``stamp_dir`` defaulting to ``core.base_model.default_cache_dir() / "verified"``."""
+    import hashlib
+
+    if stamp_dir is None:
+        from core.base_model import default_cache_dir
+
+        stamp_dir = default_cache_dir() / "verified"
+    key = hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:24]
+    return Path(stamp_dir) / f"{key}.json"
+
+
+def _read_stamp(path: Path) -> dict[str, Any]:
     try:
-        stamp = json.loads((directory / STAMP).read_text())
+        stamp = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     if not isinstance(stamp, dict) or stamp.get("format") != STAMP_FORMAT or not isinstance(stamp.get("shards"), dict):
@@ -71,7 +90,8 @@ def _read_stamp(directory: Path) -> dict[str, Any]:
 
 
 def verify_split(directory: str | os.PathLike, manifest: dict[str, Any] | None = None, full: bool = False,
-                 cache_root: str | os.PathLike | None = None) -> VerifyReport:
+                 cache_root: str | os.PathLike | None = None,
+                 stamp_dir: str | os.PathLike | None = None) -> VerifyReport:
     """Check every shard of the split ``directory`` against its manifest (module docstring).
 
     Args:
@@ -80,6 +100,7 @@ def verify_split(directory: str | os.PathLike, manifest: dict[str, Any] | None =
         full: hash every shard, ignoring the stamp.
         cache_root: the cache directory whose ``config.yaml`` gives the rebuild command (default:
             ``directory``'s parent).
+        stamp_dir: where stamps live (:func:`stamp_path`).
 
     Returns:
         A :class:`VerifyReport`.
@@ -95,9 +116,13 @@ def verify_split(directory: str | os.PathLike, manifest: dict[str, Any] | None =
     root = Path(cache_root) if cache_root is not None else directory.parent
     start = time.perf_counter()
     report = VerifyReport()
-    stamp = {} if full else _read_stamp(directory)
+    entries = manifest.get("shards", [])
+    use_stamp = sum(int(e.get("bytes") or 0) for e in entries) >= STAMP_MIN_BYTES
+    where = stamp_path(directory, stamp_dir) if use_stamp else None
+    stamp = _read_stamp(where) if where is not None and not full else {}
+    report.stamp = where
     new_stamp: dict[str, Any] = {}
-    for entry in manifest.get("shards", []):
+    for entry in entries:
         path = directory / str(entry["file"])
         report.shards += 1
         try:
@@ -127,9 +152,9 @@ def verify_split(directory: str | os.PathLike, manifest: dict[str, Any] | None =
         after = path.stat()  # rewritten while being hashed: do not vouch for the new version
         if _file_key(after) == _file_key(st):
             new_stamp[path.name] = key
-    if report.hashed or set(new_stamp) != set(stamp):
+    if where is not None and (report.hashed or set(new_stamp) != set(stamp)):
         try:
-            atomic_write_json(directory / STAMP, {"format": STAMP_FORMAT, "shards": new_stamp})
+            atomic_write_json(where, {"format": STAMP_FORMAT, "split": str(directory.resolve()), "shards": new_stamp})
         except OSError:
             report.stamp_written = False
     report.seconds = time.perf_counter() - start
@@ -139,8 +164,8 @@ def verify_split(directory: str | os.PathLike, manifest: dict[str, Any] | None =
 def verify_cache(cache_dir: str | os.PathLike, readers: dict[str, Any], full: bool = False,
                  out=None, quiet: bool = False) -> dict[str, VerifyReport]:
     """:func:`verify_split` for every split reader (``{"train": CacheReader, "val": ...}``) of ``cache_dir``;
-    prints one line to ``out`` (stderr by default; nothing with ``quiet``) when shards were hashed or the
-    stamp could not be written.
+    prints one line to ``out`` (stderr by default; nothing with ``quiet``) when a split large enough
+    for a stamp was hashed, or its stamp could not be written.
 
     Raises:
         CacheIntegrityError: see :func:`verify_split`.
@@ -149,15 +174,16 @@ def verify_cache(cache_dir: str | os.PathLike, readers: dict[str, Any], full: bo
     for split, reader in readers.items():
         directory = Path(getattr(reader, "directory", Path(cache_dir) / split))
         reports[split] = verify_split(directory, getattr(reader, "manifest", None), full=full, cache_root=cache_dir)
-    hashed = sum(r.hashed for r in reports.values())
-    unwritable = [s for s, r in reports.items() if not r.stamp_written]
+    large = [r for r in reports.values() if r.stamp is not None]
+    hashed = sum(r.hashed for r in large)
+    unwritable = [r for r in large if not r.stamp_written]
     if (hashed or unwritable) and not quiet:
         stream = out if out is not None else sys.stderr
-        gb = sum(r.bytes_hashed for r in reports.values()) / 1e9
+        gb = sum(r.bytes_hashed for r in large) / 1e9
         text = (f"draftheads: verified {hashed} cache shard(s) of {cache_dir} against their manifest SHA-256 "
-                f"({gb:.2f} GB in {sum(r.seconds for r in reports.values()):.1f} s)")
+                f"({gb:.2f} GB in {sum(r.seconds for r in large):.1f} s)")
         if unwritable:
-            text += f"; the {'/'.join(unwritable)} split directory is read-only, so the next start hashes them again"
+            text += f"; cannot write the stamp {unwritable[0].stamp}, so the next start hashes them again"
         else:
             text += "; later starts check sizes only until a shard changes"
         print(text, file=stream)

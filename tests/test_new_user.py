@@ -125,25 +125,32 @@ def test_verify_split_sizes_always_hashes_once_per_file_version(tiny_model_dir, 
 
     cache = write_random_cache(tmp_path / "c", tiny_model_dir, n_train=6, n_val=2, shard_size=2)
     split = cache / "train"
+    before = sorted(p.name for p in split.iterdir())
     calls = []
     real = V.sha256_file
     monkeypatch.setattr(V, "sha256_file", lambda p: calls.append(Path(p).name) or real(p))
-    assert V.verify_split(split).hashed == 3 and len(calls) == 3
+    assert V.verify_split(split, stamp_dir=tmp_path / "stamps").hashed == 3  # below STAMP_MIN_BYTES: no stamp
+    assert V.verify_split(split, stamp_dir=tmp_path / "stamps").hashed == 3 and not (tmp_path / "stamps").exists()
+    monkeypatch.setattr(V, "STAMP_MIN_BYTES", 0)  # as for a large cache
     calls.clear()
-    r = V.verify_split(split)  # a resume: the stamp vouches for the unchanged files
+    assert V.verify_split(split, stamp_dir=tmp_path / "stamps").hashed == 3 and len(calls) == 3
+    calls.clear()
+    r = V.verify_split(split, stamp_dir=tmp_path / "stamps")  # a resume: the stamp vouches for the unchanged files
     assert (r.hashed, r.stamped, calls) == (0, 3, [])
+    assert r.stamp.parent == tmp_path / "stamps" and sorted(p.name for p in split.iterdir()) == before
     shard = split / "shard-00001.safetensors"
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # touched: hashed again
-    assert V.verify_split(split).hashed == 1 and calls == [shard.name]
+    assert V.verify_split(split, stamp_dir=tmp_path / "stamps").hashed == 1 and calls == [shard.name]
+    assert V.verify_split(split, full=True, stamp_dir=tmp_path / "stamps").hashed == 3  # train.verify_cache=full
     # a shard changed in place is refused, naming it
     _flip_byte(shard)
     with pytest.raises(V.CacheIntegrityError, match=r"shard-00001\.safetensors does not match its manifest.*sha256"):
-        V.verify_split(split)
+        V.verify_split(split, stamp_dir=tmp_path / "stamps")
     # a truncated shard is refused by its size, whatever the stamp says
     shard0 = split / "shard-00000.safetensors"
     shard0.write_bytes(shard0.read_bytes()[:-1])
     with pytest.raises(V.CacheIntegrityError, match=r"shard-00000\.safetensors has \d+ bytes but its manifest"):
-        V.verify_split(split)
+        V.verify_split(split, stamp_dir=tmp_path / "stamps")
 
 
 def test_damaged_cache_shard_is_refused_and_data_prep_rebuilds_it_saying_so(tiny_base, tiny_model_dir, tmp_path,
