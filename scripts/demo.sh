@@ -8,6 +8,31 @@
 # paths follow them: output_root=/x puts the run under /x/runs/ctc/<run name> and evaluates that
 # head into /x/eval/<run name>; train.run_name=r2 names the run (default: demo).
 set -euo pipefail
+
+usage() {
+  cat <<'EOF_USAGE'
+usage: bash scripts/demo.sh [key=value ...]      (what `make demo` runs)
+
+The main job on the packaged defaults, end to end; every stage resumes when re-run:
+  1. data prep: SmolLM2-135M-Instruct (packaged GGUF) over packaged ShareGPT -> cache
+  2. train the CTC-drafter head on the cache (run <output_root>/runs/ctc/<train.run_name>)
+  3. lossless speculative decoding on held-out ShareGPT prompts vs vanilla greedy decoding
+     (report in <output_root>/eval/<train.run_name>/report.json)
+
+Every key=value argument goes to all three stages (python -m data_prep / train / evaluation),
+after the demo's own settings, so it wins; e.g.
+  bash scripts/demo.sh data.max_conversations=50 output_root=/tmp/demo train.run_name=r2
+Defaults: output_root=outputs, train.run_name=demo.  Environment: PY (python to use,
+default .venv/bin/python), WANDB_MODE (default offline).
+A stage's own options: python -m data_prep --help, python -m train --help, python -m evaluation --help.
+EOF_USAGE
+}
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) usage; exit 0 ;;
+  esac
+done
+
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export WANDB_MODE=${WANDB_MODE:-offline}

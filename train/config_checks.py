@@ -54,7 +54,15 @@ def check_train(cfg: DictConfig) -> None:
     _check_int(cfg, "train.sanity_val_steps", 0)
     _check_int(cfg, "train.num_nodes", 1)
     _check_int(cfg, "train.log_every_n_steps", 1)
-    _check_int(cfg, "train.save_top_k", 1)
+    k = cfg.train.save_top_k
+    if not _is_int(k) or not (k >= 1 or k == -1):
+        raise ConfigError(f"train.save_top_k={k!r} must be an integer >= 1, or -1 (keep every validation's checkpoint)")
+    check_choice(cfg, "train.verify_cache", ("auto", "full"))
+    check_choice(cfg, "train.val_schedule", ("steps", "log"))
+    _check_int(cfg, "train.val_first_tokens", 1)
+    vf = cfg.train.val_factor
+    if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not vf > 1:
+        raise ConfigError(f"train.val_factor={vf!r} must be a number > 1 (the growth of tokens seen between validations)")
     if not isinstance(cfg.train.shuffle, bool):
         raise ConfigError(f"train.shuffle={cfg.train.shuffle!r} must be true or false")
     check_range(cfg, "train.optimizer.lr", 0.0)

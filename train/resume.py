@@ -165,27 +165,48 @@ class Preemption(Callback):
     $SLURM_JOB_ID``; on ``SIGTERM`` (pre-emption, ``scancel``) Slurm's own ``--requeue`` restarts
     the job.  ``resume=auto`` continues from the checkpoint.
 
+    ``SIGINT`` (Ctrl-C) takes the same path: the first one prints one line and stops at the next
+    optimizer-step boundary with ``last.ckpt`` written; before :class:`Preempted` is raised,
+    :attr:`on_interrupt` (set by ``train.run.train``: export ``last/`` and ``best/``) runs on every
+    rank while the strategy is still up.  A second Ctrl-C raises ``KeyboardInterrupt`` at once
+    (Lightning then shuts down without saving).
+
     Installed at ``on_train_start`` (after Lightning's own handlers, which it replaces for these
-    two signals: Lightning's SIGUSR1 handler checkpoints inside the signal handler, i.e. possibly
+    signals: Lightning's SIGUSR1 handler checkpoints inside the signal handler, i.e. possibly
     halfway through an optimizer step) and restored at train end / on an exception.
     """
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
     def __init__(self, checkpoint: RunCheckpoint) -> None:
         self.checkpoint = checkpoint
         self.received: int | None = None
+        self.on_interrupt = None  # callable(trainer), run on every rank before a SIGINT stop
         self._stop_after: int | None = None
         self._at_batch_end = False  # the pre-emption checkpoint is being written at a batch end
         self._previous: dict[int, Any] = {}
+        self._rank = 0
 
     def _handler(self, signum, frame) -> None:
+        import os
+        import signal
+
+        if signum == signal.SIGINT:
+            if self.received == signal.SIGINT:  # the second Ctrl-C: abort now, nothing more is saved
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            if self._rank == 0:  # os.write: print() is not safe inside a signal handler
+                os.write(2, b"\ndraftheads: Ctrl-C - saving checkpoints/last.ckpt, last/ and best/ at the end of this "
+                            b"optimizer step, then stopping (Ctrl-C again aborts without saving)\n")
+        if signum != signal.SIGINT and self.received == signal.SIGINT:
+            return  # an interrupt already asked for the save and the exports
         self.received = int(signum)
 
     def on_train_start(self, trainer, pl_module) -> None:
         import signal
         import threading
 
+        self._rank = int(trainer.global_rank)
         if threading.current_thread() is not threading.main_thread():
             return
         for name in self.SIGNALS:
@@ -252,7 +273,11 @@ class Preemption(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self._stop_after is not None:
+            import signal
+
             self.checkpoint.save_last_now(trainer)  # no-op unless the due validation was skipped
+            if self.received == signal.SIGINT and self.on_interrupt is not None:
+                self.on_interrupt(trainer)
             raise Preempted(self.received or 0, self._stop_after, self.checkpoint.last_model_path)
 
 
@@ -286,8 +311,13 @@ def _slurm_requeue(trainer) -> None:
 MAY_CHANGE_ON_RESUME = (
     "resume", "output_root", "train.run_name", "train.devices", "train.num_nodes", "train.accelerator",
     "train.logger", "train.wandb_project", "train.progress_bar", "train.log_every_n_steps", "train.num_workers",
-    "train.sanity_val_steps", "strategy.*", "eval.*",
+    "train.sanity_val_steps", "train.verify_cache", "strategy.*", "eval.*",
 )
+
+#: Keys added to the config after runs were recorded without them, with the value that trains as
+#: before they existed: absent from a run's recorded ``config.yaml`` and at this value now, they are
+#: unchanged (so runs started before the key existed still resume).
+ADDED_KEYS_NEUTRAL = {"train.val_schedule": "steps", "train.val_first_tokens": 32768, "train.val_factor": 2.0}
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -308,6 +338,9 @@ def changed_run_keys(recorded: dict[str, Any], current: dict[str, Any]) -> dict[
     (a key present on one side only counts, as ``<absent>``); keys in :data:`MAY_CHANGE_ON_RESUME` are ignored."""
     a, b = _flatten(recorded), _flatten(current)
     missing = "<absent>"
+    for k, neutral in ADDED_KEYS_NEUTRAL.items():  # a run recorded before the key existed
+        if k not in a and b.get(k, missing) == neutral:
+            a[k] = neutral
     return {k: (a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
             if not _may_change(k) and a.get(k, missing) != b.get(k, missing)}
 

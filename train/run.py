@@ -11,8 +11,10 @@ runs live under ``runs/falcon_k1/``)::
     launches/<n>.yaml         resolved config of each resumed launch (config.yaml stays the first's)
     csv/metrics.csv           one metrics record for all launches (train/loss, val/loss, val/sim_tau, tokens/s...);
                               ``step`` = finished optimizer steps, as in the checkpoint names
-    wandb/, wandb_run_id      the run's one W&B run (online when wandb finds credentials, see train.run_logs)
-    best/, last/              exported heads: model.safetensors + config.json (heads.save)
+    wandb/, wandb_run_id      the run's one W&B run (online when wandb finds credentials, see train.wandb_mode)
+    record.json               every validation's step, tokens seen, loss, sim_tau; the best; checkpoints kept
+    val_curve.png             validation tau (or the monitor) and loss against tokens seen (train.val_schedule)
+    best/, last/              exported heads: model.safetensors + config.json (heads.save); Ctrl-C exports both
 """
 from __future__ import annotations
 
@@ -79,10 +81,15 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
     every validation (:class:`train.resume.RunCheckpoint`); SIGTERM / SIGUSR1 checkpoint at the
     next optimizer-step boundary and stop (:class:`train.resume.Preemption`); checkpoints go through
     :class:`~train.checkpoint_io.SafetensorsCheckpointIO` (no pickle, atomic).
-    Validation runs every ``train.val_every_n_steps`` optimizer steps, on every rank's shard.
+    Validation runs every ``train.val_every_n_steps`` optimizer steps (``train.val_schedule=steps``)
+    or log-spaced in tokens seen (``log``; :class:`train.val_schedule.ValidationSchedule`, which also
+    writes ``record.json`` and ``val_curve.png``), on every rank's shard.
     """
     t = cfg.train
-    if int(t.max_steps) > 0 and int(t.max_steps) % int(t.val_every_n_steps):
+    from train.val_schedule import NEVER, ValidationSchedule
+
+    val_kind = str(t.get("val_schedule", "steps"))
+    if val_kind == "steps" and int(t.max_steps) > 0 and int(t.max_steps) % int(t.val_every_n_steps):
         from lightning.pytorch.utilities import rank_zero_warn
 
         rank_zero_warn(f"train.max_steps={t.max_steps} is not a multiple of train.val_every_n_steps="
@@ -95,7 +102,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
     ckpt = RunCheckpoint(dirpath=str(run_dir / "checkpoints"), monitor=monitor, mode=mode,
                          save_top_k=int(t.save_top_k), save_last=True, filename="step{step:07d}",
                          auto_insert_metric_name=False)
-    cbs = [ckpt, DataPosition(), Preemption(ckpt), DistributedInfo(), *(callbacks or [])]
+    # before Preemption: it asks Lightning whether a validation is due, which the log schedule decides
+    schedule = ValidationSchedule(val_kind, int(t.val_every_n_steps), int(t.get("val_first_tokens", 32768)),
+                                  float(t.get("val_factor", 2.0)), run_dir=run_dir, monitor=monitor, mode=mode,
+                                  checkpoint_dir=run_dir / "checkpoints")
+    cbs = [ckpt, DataPosition(), schedule, Preemption(ckpt), DistributedInfo(), *(callbacks or [])]
     if bool(t.progress_bar):
         from train.run_logs import StepProgressBar
 
@@ -113,7 +124,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
         # the checkpoint, so a resumed run continues the same budget)
         max_time=timedelta(seconds=float(t.max_time)) if t.get("max_time") is not None else None,
         accumulate_grad_batches=accumulate,
-        val_check_interval=int(t.val_every_n_steps) * accumulate,
+        # val_schedule=log: train.val_schedule.ValidationSchedule sets trainer.val_check_batch per batch
+        val_check_interval=NEVER if val_kind == "log" else int(t.val_every_n_steps) * accumulate,
         check_val_every_n_epoch=None,
         limit_val_batches=t.limit_val_batches if t.limit_val_batches is not None else 1.0,
         num_sanity_val_steps=int(t.sanity_val_steps),
@@ -281,15 +293,43 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     record_wandb_run_id(run_dir, trainer.loggers)
     for lg in trainer.loggers:  # rank-zero-only inside Lightning's loggers
         lg.log_hyperparams({**to_container(cfg), "world_size": trainer.world_size})
+    interrupted_exports: dict[str, Path] = {}
+
+    def export_on_interrupt(trainer_: pl.Trainer) -> None:  # Ctrl-C: inside fit, so ZeRO can still gather
+        head_ = consolidated_head(trainer_, module)
+        interrupted_exports.update(export_checkpoints(trainer_, module, ckpt_cb, run_dir, identity_dict, head=head_))
+
+    from train.resume import Preemption
+
+    for cb in trainer.callbacks:
+        if isinstance(cb, Preemption):
+            cb.on_interrupt = export_on_interrupt
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    except Preempted as stop:
+    except Preempted as stop:  # SIGINT also exported last/ and best/ (export_on_interrupt); SIGTERM/SIGUSR1 did not
         return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
-                "exports": {}, "preempted": stop}
+                "exports": dict(interrupted_exports), "preempted": stop}
     head = consolidated_head(trainer, module)  # collective under ZeRO (gathers fp32 masters)
     exports = export_checkpoints(trainer, module, ckpt_cb, run_dir, identity_dict, head=head)
     return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
             "exports": exports, "preempted": None}
+
+
+def resume_command(argv: list[str], run_name: str) -> str:
+    """The shell command that continues this run: ``python -m train`` with ``argv`` minus any
+    ``resume=``, plus ``train.run_name=<run_name>`` when ``argv`` names none (so ``resume=auto``
+    finds this run, not a newer one), plus ``resume=auto``.  ``python`` is this interpreter
+    (``sys.executable``) unless ``python`` on ``$PATH`` is that same path."""
+    import shlex
+
+    python = sys.executable
+    found = shutil.which("python")
+    if found and os.path.abspath(found) == os.path.abspath(python):  # not realpath: a venv python is a symlink
+        python = "python"
+    args = [a for a in argv if not a.startswith("resume=")]
+    if not any(a.startswith("train.run_name=") for a in args):
+        args.append(f"train.run_name={run_name}")
+    return " ".join(shlex.quote(a) for a in [python, "-m", "train", *args, "resume=auto"])
 
 
 def _checkpoint_step(path: str | os.PathLike) -> int:
@@ -375,6 +415,11 @@ def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> C
         raise UserInputError(f"cache {cache_dir}: the {' and '.join(empty)} split{'s hold' if len(empty) > 1 else ' holds'} "
                              "0 conversations; training needs both (prepare more data: raise "
                              "data.max_conversations or data.heldout_fraction, or check data.path)")
+    from data_prep.verify import verify_cache
+
+    # every shard's size, and its SHA-256 once per file version (data_prep.verify: a stamp keyed by size/mtime/inode)
+    verify_cache(cache_dir, readers, full=str(cfg.train.get("verify_cache", "auto")) == "full",
+                 quiet=rank_zero_only.rank != 0)
     from core.base_model import check_same_base
 
     for split, reader in readers.items():
@@ -416,7 +461,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shutdown_distributed()  # every rank got here: training ended, or all agreed on the pre-emption stop
     stop = result.get("preempted")
     if stop is not None:
-        print(f"pre-empted: {stop}")
+        import signal
+
+        if stop.signum == signal.SIGINT:
+            if rank_zero_only.rank == 0:
+                saved = ", ".join(f"{name}/" for name in result["exports"])
+                print(f"interrupted (Ctrl-C) after optimizer step {stop.step}: saved {stop.path}"
+                      f"{' and ' + saved if saved else ''} in {result['run_dir']}")
+                print("resume with: " + resume_command(list(sys.argv[1:] if argv is None else argv),
+                                                       Path(result["run_dir"]).name))
+        else:
+            print(f"pre-empted: {stop}")
         raise SystemExit(128 + stop.signum)
     if result["exports"]:
         for name, path in result["exports"].items():
