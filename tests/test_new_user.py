@@ -38,7 +38,7 @@ def _train_args(model_dir, cache, out, *extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def small_cache(tiny_model_dir, tmp_path_factory):
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
 
     return write_random_cache(tmp_path_factory.mktemp("nu") / "cache", tiny_model_dir, n_train=8, n_val=4,
                               length_range=(6, 14))
@@ -121,7 +121,7 @@ def _flip_byte(path: Path, offset: int = -5) -> None:
 
 def test_verify_split_sizes_always_hashes_once_per_file_version(tiny_model_dir, tmp_path, monkeypatch):
     import data_prep.verify as V
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
 
     cache = write_random_cache(tmp_path / "c", tiny_model_dir, n_train=6, n_val=2, shard_size=2)
     split = cache / "train"
@@ -200,7 +200,8 @@ def test_base_of_the_same_shape_with_other_weights_is_refused(tiny_base, tiny_mo
     from dataclasses import replace
 
     from core.base_model import check_same_base, load_base_model
-    from core.tiny import save_tiny_model, write_random_cache
+    from core.tiny import save_tiny_model
+    from data_prep.synthetic import write_random_cache
     from train.run import _cache_datamodule, train
 
     other_dir = save_tiny_model(tmp_path / "other", seed=1)  # same shape, other weights

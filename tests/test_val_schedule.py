@@ -13,7 +13,7 @@ from core.config import ConfigError, compose
 
 @pytest.fixture(scope="module")
 def cache(tiny_model_dir, tmp_path_factory):
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
 
     return write_random_cache(tmp_path_factory.mktemp("vs") / "cache", tiny_model_dir, n_train=10, n_val=3,
                               length_range=(6, 30))
