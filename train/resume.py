@@ -120,10 +120,28 @@ class RunCheckpoint(ModelCheckpoint):
     improvement and ``resume=auto`` rewinds to it.  Here every validation end (the save points of
     a run; validation runs every ``train.val_every_n_steps`` optimizer steps) first updates the
     top-k checkpoints as Lightning does, then always writes ``last.ckpt``.
+
+    A checkpoint holds whole optimizer steps only: no save happens inside an accumulation window.
+    A validation runs there only when the run is told to stop (``trainer.should_stop``: the
+    ``train.max_time`` Timer, early stopping); its checkpoint would record the window's finished
+    micro-batches as consumed while their gradients are in no saved weight, so a resume would skip
+    them (issue 28).  ``last.ckpt`` then stays at the last whole step, from which a resume is exact.
     """
+
+    @staticmethod
+    def mid_window(trainer) -> bool:
+        """True while an accumulation window is open (some micro-batches accumulated, no optimizer step yet)."""
+        return bool(trainer.fit_loop.epoch_loop._should_accumulate())
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if self._should_skip_saving_checkpoint(trainer) or self._should_save_on_train_epoch_end(trainer):
+            return
+        if self.mid_window(trainer):
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"validation inside an accumulation window (the run was told to stop at step "
+                           f"{trainer.global_step}): no checkpoint written there; last.ckpt stays at the last whole "
+                           "optimizer step")
             return
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
@@ -135,6 +153,10 @@ class RunCheckpoint(ModelCheckpoint):
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not self.mid_window(trainer):
+            super().on_train_end(trainer, pl_module)
 
     def save_last_now(self, trainer) -> None:
         """Write ``last.ckpt`` for the current state (a collective call; every rank must call it)."""
