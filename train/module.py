@@ -131,6 +131,8 @@ class DraftHeadModule(pl.LightningModule):
         self.monitor = head_monitor(type(head))
         self._val_sums: dict[str, torch.Tensor] = {}
         self._tick: float | None = None
+        #: what the batches are built from (train.resume.data_identity), recorded in every checkpoint
+        self.data_identity: dict[str, Any] = {}
 
     # -- optimisation ------------------------------------------------------------------------
     def total_steps(self) -> int:
@@ -262,7 +264,8 @@ class DraftHeadModule(pl.LightningModule):
 
     # -- resume state ------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Add the global RNG states (torch, numpy, python, cuda) of *every* rank for exact resume.
+        """Add the global RNG states (torch, numpy, python, cuda) of *every* rank for exact resume,
+        and ``data_identity`` (the data the run trains on, :func:`train.resume.data_identity`).
 
         ``rng_states`` is this (global rank 0's) state; with several ranks ``rng_states_per_rank``
         holds each rank's (gathered here: Lightning calls this hook on every rank, rank 0 writes).
@@ -273,6 +276,8 @@ class DraftHeadModule(pl.LightningModule):
 
         states = _collect_rng_states(include_cuda=torch.cuda.is_available())
         checkpoint["rng_states"] = states
+        if self.data_identity:  # checked on resume (train.resume.check_resume_data)
+            checkpoint["data_identity"] = self.data_identity
         trainer = self._trainer
         if trainer is not None and trainer.world_size > 1 and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * trainer.world_size
