@@ -207,8 +207,8 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
 
     Raises:
         FileNotFoundError / ExportError: see :func:`read_checkpoint`, :func:`check_base`,
-        :func:`build_export`; ExportError also when ``out`` exists and is not an empty directory.
-        Nothing is written before every check passed.
+        :func:`build_export`; ExportError also when ``out`` exists and is not an empty directory,
+        or a weight holds NaN / ±inf (names the tensor).  Nothing is written before every check passed.
     """
     from safetensors.torch import save_file
 
@@ -220,6 +220,12 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
     meta, state = read_checkpoint(ckpt)
     check_base(meta, base)
     cfg, tensors = build_export(meta, state, fmt)
+    from core.finite import NonFiniteError, check_finite
+
+    try:  # a non-finite weight is never handed to a serving engine
+        check_finite(tensors, f"export of {ckpt}")
+    except NonFiniteError as exc:
+        raise ExportError(str(exc)) from None
     cfg["draftheads"] = {"source_checkpoint": str(Path(ckpt).resolve()), "head_type": meta["head_type"], "format": fmt}
     tmp = make_tmp_dir(f".{out.name}.", out.parent if str(out.parent) else ".")
     try:

@@ -205,6 +205,14 @@ class ZeroStrategy(DeepSpeedStrategy):
         optimizer = getattr(self.deepspeed_engine, "optimizer", None)
         zero_partition_padding(optimizer)
         inner = getattr(optimizer, "optimizer", None)
+        if inner is not None and getattr(self, "_finite_hook", None) is None:
+            # before the clamp: clipping by value would hide an inf (train.finite)
+            def check_partition_grads(opt, args, kwargs) -> None:
+                check = getattr(self.lightning_module, "check_partition_gradients", None)
+                if check is not None:
+                    check([p.grad for group in opt.param_groups for p in group["params"]])
+
+            self._finite_hook = inner.register_step_pre_hook(check_partition_grads)
         if self.clip_grad_value and inner is not None and self._clip_hook is None:
             value = self.clip_grad_value
 
@@ -215,6 +223,12 @@ class ZeroStrategy(DeepSpeedStrategy):
                             p.grad.clamp_(-value, value)
 
             self._clip_hook = inner.register_step_pre_hook(clamp_partition_grads)
+
+    def skipped_non_finite_step(self) -> bool:
+        """True when the engine's last optimizer step was skipped for a non-finite gradient
+        (DeepSpeed all-reduces the gradient norm, so every rank agrees; :mod:`train.finite`)."""
+        optimizer = getattr(getattr(self, "deepspeed_engine", None), "optimizer", None)
+        return bool(getattr(optimizer, "overflow", False))
 
     # -- checkpoints: see train.zero_checkpoint ------------------------------------------------
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any | None = None) -> None:
