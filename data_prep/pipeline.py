@@ -406,6 +406,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         "dropped": dict(sorted(dropped.items())),
         "drop_examples": dict(sorted(examples.items())),
         "fixed": dict(sorted(data.stats.fixed.items())),
+        "fix_examples": dict(sorted(data.stats.fix_examples.items())),
         "regen_truncated_turns": truncated,
         "replaced_bytes": data.stats.replaced_bytes,
         "replaced_records": data.stats.replaced_records,
@@ -427,6 +428,7 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{k} {v:,}" for k, v in s["dropped"].items()) or "none"),
         *[f"  {k}: first {ex['id']!r}: {ex['message']}" for k, ex in s.get("drop_examples", {}).items()],
         "kept after normalisation: " + (", ".join(f"{k} {v:,}" for k, v in s.get("fixed", {}).items()) or "none"),
+        *[f"  {k}: first {ex['id']!r}: {ex['message']}" for k, ex in s.get("fix_examples", {}).items()],
         f"bytes on disk: {s['bytes']:,}   bytes per token: {s['bytes_per_token']:.1f}"
         if s["bytes_per_token"] else f"bytes on disk: {s['bytes']:,}",
     ]
