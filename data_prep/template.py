@@ -194,6 +194,7 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
             turns would be truncated away); ``None`` = all turns.
         dropped_turns: optional list; each assistant turn that no rendering can give its inference
             view is skipped (the other turns are kept) and appended as a :class:`TemplateError`.
+            Without it such a turn raises (nothing is dropped uncounted).
 
     Returns:
         one list of segments per record (usually one record).  In a record, segment ``k``'s ids
@@ -233,6 +234,8 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
             raise errors[0]
         raise TemplateError(f"conversation {conversation_id!r}: the first reply starts beyond max_length={max_length}",
                             "no_assistant_tokens")
+    if errors and dropped_turns is None:  # a caller that does not count dropped turns gets none dropped
+        raise errors[0]
     if dropped_turns is not None:
         dropped_turns.extend(errors)
     return records
