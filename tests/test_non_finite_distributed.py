@@ -1,7 +1,7 @@
 """The finite-value guard across ranks (issue 28, item 1): a NaN on one rank stops every rank.
 
 In process: the agreement itself (a rank whose own values are finite still stops when another
-rank's flag is set, with the same message).  Two processes (``pytest -m multiprocess``, one launch):
+rank's flag is set, with the same message).  Two processes (one launch, about 20 s):
 a NaN in rank 1's micro-batch features under DDP, and a NaN in one element of rank 1's gradient
 while the loss stays finite under DeepSpeed ZeRO-3 (where DeepSpeed would skip the update with a
 log line only), each end both ranks with the same :class:`core.finite.NonFiniteError` naming the step
@@ -52,7 +52,6 @@ def cache(tiny_model_dir, tmp_path_factory):
                               layers=[1, 2, 3], length_range=(6, 14), shard_size=8)
 
 
-@pytest.mark.multiprocess
 def test_a_non_finite_value_on_one_rank_stops_every_rank(cache, tiny_model_dir, tmp_path):
     from test_resume_distributed import HEAD_ARGS, _launch
 
