@@ -46,7 +46,8 @@ def forward_features(model, seqs: Sequence[Sequence[int]], pad_id: int, layers: 
 
     Returns:
         one dict per sequence (length T_i): ``labels`` LongTensor [T_i] (argmax of the logits at
-        each position) and ``hidden`` ``{l: FloatTensor [T_i, H]}`` in the model's dtype.
+        each position), ``hidden`` ``{l: FloatTensor [T_i, H]}`` in the model's dtype and
+        ``logits_finite`` BoolTensor [T_i] (False where a logit is NaN / ±inf: the label is undefined).
     """
     ids, attn = _pad_right(seqs, pad_id)
     device = next(model.parameters()).device
@@ -57,11 +58,16 @@ def forward_features(model, seqs: Sequence[Sequence[int]], pad_id: int, layers: 
     final = hs[-1]
     lengths = [len(s) for s in seqs]
     flat = torch.cat([final[i, :n] for i, n in enumerate(lengths)])
-    labels = torch.cat([head(flat[j: j + head_chunk]).argmax(-1) for j in range(0, flat.shape[0], head_chunk)])
+    labels, finite = [], []
+    for j in range(0, flat.shape[0], head_chunk):
+        z = head(flat[j: j + head_chunk])
+        labels.append(z.argmax(-1))
+        finite.append(torch.isfinite(z).all(-1))
+    labels, finite = torch.cat(labels), torch.cat(finite)
     results = []
     start = 0
     for i, n in enumerate(lengths):
-        results.append({"labels": labels[start: start + n].cpu(),
+        results.append({"labels": labels[start: start + n].cpu(), "logits_finite": finite[start: start + n].cpu(),
                         "hidden": {l: hs[l][i, :n].cpu() for l in layers}})
         start += n
     return results

@@ -257,8 +257,8 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
     Raises:
         FileNotFoundError / ExportError: see :func:`read_checkpoint`, :func:`check_base`,
         :func:`build_export`; ExportError also when ``out`` exists and is not an empty directory,
-        or the verifier / the base's embedding cannot be resolved.
-        Nothing is written before every check passed.
+        the verifier / the base's embedding cannot be resolved, or a weight holds NaN / ±inf (names the
+        tensor).  Nothing is written before every check passed.
     """
     from safetensors.torch import save_file
 
@@ -286,6 +286,12 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
     cfg, tensors = build_export(meta, state, fmt, engine_inputs=engine_inputs)
     cfg.setdefault("draftheads", {}).update(source_checkpoint=str(Path(ckpt).resolve()), head_type=meta["head_type"],
                                             format=fmt)
+    from core.finite import NonFiniteError, check_finite
+
+    try:  # a non-finite weight is never handed to a serving engine
+        check_finite(tensors, f"export of {ckpt}")
+    except NonFiniteError as exc:
+        raise ExportError(str(exc)) from None
     tmp = make_tmp_dir(f".{out.name}.", out.parent if str(out.parent) else ".")
     try:
         tensors = {k: (v if k == "embed_tokens.weight" or not v.is_floating_point() else v.float()).contiguous()

@@ -95,10 +95,16 @@ def save(head, directory: str | os.PathLike, base_identity: dict[str, Any], extr
     ``config.json`` holds ``head_type``, the full head config, ``base`` (identity incl. vocab
     size) and ``base_config`` (the base model's HF config dict, so the head can be rebuilt
     without loading the base).  ``extra`` (e.g. training step, metrics) is stored as-is.
+
+    Raises:
+        core.finite.NonFiniteError: a weight holds NaN or ±inf (names the tensor; nothing is written).
     """
+    from core.finite import check_finite
+
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().float().contiguous() if v.is_floating_point() else v for k, v in head.trainable_state_dict().items()}
+    check_finite(tensors, f"heads.save into {directory}")
+    directory.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(tensors, directory / "model.safetensors", metadata={"format": "draftheads", "head_type": head.head_type})
     atomic_write_json(
         directory / "config.json",

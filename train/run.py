@@ -282,6 +282,11 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         from lightning.pytorch.utilities import rank_zero_warn
 
         rank_zero_warn(note)
+    from train.resume import check_resume_data, data_identity
+
+    module.data_identity = data_identity(datamodule)
+    if ckpt_path:  # a checkpoint of other data (a rebuilt cache) is refused before anything is written
+        check_resume_data(ckpt_path, module.head, module.data_identity)
     resume_step = _checkpoint_step(ckpt_path) if ckpt_path else None
     # its loggers and callbacks write lazily
     trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks, resume_step=resume_step)
