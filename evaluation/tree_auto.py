@@ -168,12 +168,25 @@ def _ctc_setup(head, ev) -> dict[str, Any]:
     return {"calibration_kwargs": {"max_nodes": max(grid)}}
 
 
+def _tree_budgets(stats: AcceptanceStats, ev) -> dict[int, float]:
+    """τ(n) of the budgets auto / dynamic may choose: n ≥ 2 only, since a budget of 1 drafts
+    nothing (no drafter pass: vanilla decoding, which only ``eval.tree_fallback`` chooses,
+    :func:`vanilla_fallback`); n = 1 stays when ``eval.tree_nodes`` = 1 asks for it or the grid has
+    nothing else."""
+    tau = stats.budget_tau()
+    trees = {n: t for n, t in tau.items() if n >= 2}
+    return tau if (ev.get("tree_nodes") is not None and int(ev.tree_nodes) == 1) or not trees else trees
+
+
 def _falcon_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[dict, dict, Callable | None]:
     per_pass = stats.drafter_seconds_per_pass() or 0.0
     k = setup["k"]
     if ev.tree == "dynamic":
         passes_per_step = stats.drafter_passes / stats.steps if stats.steps else 0.0
-        choice = choose_budget(stats.budget_tau(), cost.verify_seconds, passes_per_step * per_pass, ev.get("tree_nodes"))
+        # a budget of n keeps nodes no deeper than n - 1: the drafter runs at most ceil((n - 1) / k)
+        # passes for it (none for the root alone; decoding.falcon.FalconDrafter.draft's max_nodes)
+        choice = choose_budget(_tree_budgets(stats, ev), cost.verify_seconds,
+                               lambda n: min(passes_per_step, math.ceil((n - 1) / k)) * per_pass, ev.get("tree_nodes"))
         return (choice.to_dict() | {"max_nodes": choice.nodes}, setup["calibration_kwargs"],
                 lambda d: ScoreBudgetDrafter(d, choice.nodes))
     p = stats.rank_acceptance()
@@ -188,7 +201,9 @@ def _falcon_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[
 
 def _ctc_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[dict, dict, Callable | None]:
     per_step = stats.drafter_seconds / stats.steps if stats.steps else 0.0
-    choice = choose_budget(stats.budget_tau(), cost.verify_seconds, per_step, ev.get("tree_nodes"))
+    # max_nodes = 1 drafts the root alone and runs no slot forward (decoding.ctc.CTCDrafter.draft)
+    choice = choose_budget(_tree_budgets(stats, ev), cost.verify_seconds, lambda n: per_step if n > 1 else 0.0,
+                           ev.get("tree_nodes"))
     return choice.to_dict() | {"max_nodes": choice.nodes}, {"max_nodes": choice.nodes}, None
 
 
