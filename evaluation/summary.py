@@ -54,9 +54,12 @@ def tree_summary(tree: dict[str, Any] | None) -> dict[str, Any] | None:
     if not tree or not tree.get("applied"):
         return None
     c = tree["chosen"]
+    probe = tree.get("probe")
     return {"mode": tree["mode"], "nodes": c["nodes"], "depth": c.get("depth"), "predicted_tau": tree["predicted_tau"],
             "measured_tau": tree.get("measured_tau"), "predicted_speedup": tree["predicted_speedup"],
-            "measured_speedup": tree.get("measured_speedup")}
+            "measured_speedup": tree.get("measured_speedup"),
+            "probe": None if not probe else {k: probe.get(k) for k in ("nodes", "depth", "shape", "measured_tau",
+                                                                         "measured_speedup", "parity")}}
 
 
 def _f(x, fmt="{:.2f}") -> str:
@@ -157,6 +160,18 @@ def status_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         if r.get("complete") is False:
             out += ["", f"**{name}: incomplete** — stopped at {r.get('stopped_at') or '-'} ({r.get('error')}); "
                         f"{r.get('pending_prompts', 0)} prompt(s) not reached; run again with `resume=auto` to continue."]
+    for r in rows:
+        tree = r.get("tree") or {}
+        if tree.get("nodes") == 1:  # the root alone verifies no draft: say so, and what the head gives at the probe
+            name = r.get("variant") or r.get("head_type") or "-"
+            p = tree.get("probe")
+            line = f"**{name}: eval.tree={tree.get('mode')} chose the root alone** — no draft token was verified (τ 1 by construction), so this row does not test the head."
+            if p:
+                par = p.get("parity") or {}
+                line += (f" At the {p['nodes']}-node probe tree ({p.get('shape')}) on the same prompts the head gives "
+                         f"τ {_f(p.get('measured_tau'))}, speedup {_f(p.get('measured_speedup'))}×, parity "
+                         f"{par.get('matched', '-')}/{par.get('total', '-')}.")
+            out += ["", line]
     skipped = {(tuple(s["ids"]), s["reason"]) for r in rows for s in r.get("skipped") or []}
     if skipped:
         out += ["", "## Skipped prompts and turns", ""]
