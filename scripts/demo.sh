@@ -49,6 +49,10 @@ done
 "$PY" -m data_prep "$@"
 "$PY" -m train heads=ctc train.run_name="$RUN" resume=auto \
   train.max_steps=150 train.val_every_n_steps=50 train.scheduler.warmup_steps=20 train.optimizer.lr=3e-4 "$@"
-"$PY" -m evaluation heads=ctc checkpoint="$ROOT/runs/ctc/$RUN/best" \
+# A 150-step demo head accepts little, so on a CPU no tree pays for its drafter and eval.tree=auto would size
+# the tree to the smallest one: the demo exists to test the head, so it evaluates at the best 8-node tree that
+# the calibration (4 held-out prompts) finds (eval.tree_nodes=8); the report's `tree` says which and predicts tau.
+echo "demo: evaluating the CTC head at the best 8-node tree (eval.tree_nodes=8): a tree that exercises the head"
+"$PY" -m evaluation heads=ctc checkpoint="$ROOT/runs/ctc/$RUN/best" eval.tree_nodes=8 eval.calibration_prompts=4 \
   eval.num_prompts=8 eval.max_new_tokens=64 eval.output_dir="$ROOT/eval/$RUN" resume=auto "$@"
 echo "demo done: cache in $ROOT/cache, run in $ROOT/runs/ctc/$RUN, report in $ROOT/eval/$RUN/report.json"
