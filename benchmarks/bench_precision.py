@@ -86,26 +86,34 @@ def attention_flops(model, lengths) -> float:
 
 
 def bench_data_prep(models: dict, tok, convs, args, layers, L) -> tuple[dict, dict]:
-    """tokens/s of build_records per dtype, interleaved; returns (report, last records per dtype)."""
+    """tokens/s of build_records per ``(attention, dtype)`` model, all interleaved in every repeat;
+    returns (report per attention, the last records per dtype of the first attention)."""
     from data_prep.pipeline import build_records
 
     records, best = {}, {k: 0.0 for k in models}
     tokens = None
     for _ in range(args.repeats):
-        for dt, model in models.items():
+        for key, model in models.items():
             t0 = time.perf_counter()
             recs, _ = build_records(model, tok, convs, labels_mode="teacher_forced", max_length=args.max_length,
                                     max_new_tokens=None, layers=layers, final_layer=L,
                                     batch_tokens=args.batch_tokens, gen_batch_size=1)
             seconds = time.perf_counter() - t0
             tokens = sum(len(r["input_ids"]) for r in recs)
-            best[dt] = max(best[dt], tokens / seconds)
-            records[dt] = recs
+            best[key] = max(best[key], tokens / seconds)
+            if key[0] == next(iter(models))[0]:
+                records[key[1]] = recs
     model = next(iter(models.values()))
     lengths = [len(r["input_ids"]) for r in records["float32"]]
-    flops = linear_flops_per_token(model) * tokens + attention_flops(model, lengths)
-    return {"tokens": tokens, "conversations": len(lengths), "tokens_per_s": best,
-            "ratio": best["bfloat16"] / best["float32"], "flops_per_token": flops / tokens}, records
+    flops = (linear_flops_per_token(model) * tokens + attention_flops(model, lengths)) / tokens
+    reference = best[next(iter(models))[0], "float32"]
+    out = {}
+    for attn in dict.fromkeys(a for a, _ in models):
+        t = {dt: best[attn, dt] for dt in ("float32", "bfloat16")}
+        out[attn] = {"tokens": tokens, "conversations": len(lengths), "tokens_per_s": t,
+                     "ratio": t["bfloat16"] / t["float32"], "fp32_ratio_to_first_attention": t["float32"] / reference,
+                     "flops_per_token": flops}
+    return out, records
 
 
 @torch.no_grad()
@@ -245,7 +253,8 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument("--batch-tokens", type=int, default=8192, help="prep.batch_tokens (padded tokens per forward)")
     ap.add_argument("--repeats", type=int, default=2, help="data-prep / GEMM repetitions per dtype (best is kept)")
-    ap.add_argument("--attn", default="eager", help="comma list of attention implementations to time (eager,sdpa)")
+    ap.add_argument("--attn", default="eager,sdpa",
+                    help="comma list of attention implementations to time, all interleaved (the first gives the labels)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--heads", default=",".join(HEADS))
     ap.add_argument("--train-steps", type=int, default=6)
@@ -290,18 +299,15 @@ def main() -> None:
     eos = end_of_turn_ids(tok, model32)
     templated = template_split(tok, data, eos, args.max_length)
     convs = templated["train"] + templated["val"]
-    report["data_prep"] = {}
-    records = None
+    models = {}
     for attn in attns:
         m32 = model32 if attn == attns[0] else load_base_model({**cfg.model, "attn_implementation": attn})[0]
-        models = {"float32": m32, "bfloat16": copy.deepcopy(m32).to(torch.bfloat16)}
-        res, recs = bench_data_prep(models, tok, convs, args, layers, L)
+        models[attn, "float32"], models[attn, "bfloat16"] = m32, copy.deepcopy(m32).to(torch.bfloat16)
+    report["data_prep"], records = bench_data_prep(models, tok, convs, args, layers, L)
+    for res in report["data_prep"].values():
         res["share_of_bf16_limit"] = {k: res["flops_per_token"] * v / (limit * 1e9) for k, v in res["tokens_per_s"].items()}
-        report["data_prep"][attn] = res
-        if records is None:
-            records = recs
-            report["labels"] = agreement(recs, m32, args.tie_margin, L, layers)
-        del models
+    report["labels"] = agreement(records, model32, args.tie_margin, L, layers)
+    del models
     if not args.skip_train:
         n_val = max(1, len(records["float32"]) // 4)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -341,10 +347,12 @@ def summary(r: dict) -> str:
         lines.append(f"| {name} | {g['gflops']['float32']:.0f} | {g['gflops']['bfloat16']:.0f} | {g['ratio']:.2f}x |")
     lines += ["", "| data prep (teacher-forced, real base) | fp32 tok/s | bf16 tok/s | bf16 / fp32 | share of bf16 GEMM limit (fp32 / bf16) |",
               "|---|---:|---:|---:|---:|"]
+    first = next(iter(r["data_prep"].values()))
     for attn, d in r["data_prep"].items():
         t, s = d["tokens_per_s"], d["share_of_bf16_limit"]
         lines.append(f"| {attn} attention, {d['conversations']} conversations, {d['tokens']} tokens | {t['float32']:.0f} | "
-                     f"{t['bfloat16']:.0f} | {d['ratio']:.2f}x | {s['float32']:.0%} / {s['bfloat16']:.0%} |")
+                     f"{t['bfloat16']:.0f} | {d['ratio']:.2f}x | {s['float32']:.0%} / {s['bfloat16']:.0%} |"
+                     + (f" fp32 {d['fp32_ratio_to_first_attention']:.2f}x the first attention's" if d is not first else ""))
     lab = r["labels"]
     lines += ["", f"greedy labels, bf16 vs fp32: {lab['agree']:.2%} of {lab['positions']} positions agree "
                   f"({lab['assistant_agree']:.2%} of {lab['assistant_positions']} assistant positions); "
