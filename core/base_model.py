@@ -10,7 +10,8 @@
   file's SHA-256; later loads read that folder;
 * a local Hugging Face folder, or a hub id (for clusters with hub access).
 
-The model is returned frozen: eval mode, ``requires_grad=False``, in ``model.dtype``.
+The model is returned frozen: eval mode, ``requires_grad=False``, in ``model.dtype`` (``auto``:
+bf16 where the CPU's bf16 is native, else fp32, :func:`core.precision.resolve_dtype`).
 ``trust_remote_code`` is passed through from the config and is off by default.
 """
 from __future__ import annotations
@@ -242,7 +243,9 @@ def load_base_model(model_cfg: Any):
 
     load_path, source, sha = resolve_model_dir(model_cfg)
     trust = bool(model_cfg.get("trust_remote_code", False))
-    dtype = getattr(torch, model_cfg.get("dtype", "float32"))
+    from core.precision import resolve_dtype, torch_dtype
+
+    dtype = torch_dtype(resolve_dtype(model_cfg.get("dtype", "float32"), "model.dtype", "cpu"))
     kwargs = {}
     if model_cfg.get("attn_implementation"):
         kwargs["attn_implementation"] = model_cfg.get("attn_implementation")

@@ -50,7 +50,12 @@ if hasattr(torch, "float8_e4m3fn"):  # prep.dtype=float8_e4m3fn: per-row scales 
 # ----------------------------------------------------------------------------------------------
 def cache_defining_config(cfg) -> dict[str, Any]:
     """The resolved sections that define a cache's content: ``model``, ``data``, ``prep``, ``labels``
-    (minus the runtime-only keys in :data:`RUNTIME_KEYS`)."""
+    (minus the runtime-only keys in :data:`RUNTIME_KEYS`).
+
+    ``model.dtype`` is the base's compute dtype (``data_prep.features``) and enters as the dtype that
+    runs: ``auto`` is resolved for data prep's device, the CPU (:func:`core.precision.resolve_dtype`),
+    so an fp32 and a bf16 cache of the same data never share a hash, and a cache made with
+    ``model.dtype=float32`` keeps the hash it had before ``auto`` existed."""
     from omegaconf import OmegaConf
 
     out: dict[str, Any] = {}
@@ -60,6 +65,10 @@ def cache_defining_config(cfg) -> dict[str, Any]:
         if isinstance(value, dict):
             value = {k: v for k, v in value.items() if k not in RUNTIME_KEYS.get(key, ())}
         out[key] = value
+    if isinstance(out.get("model"), dict) and "dtype" in out["model"]:
+        from core.precision import resolve_dtype
+
+        out["model"]["dtype"] = resolve_dtype(out["model"]["dtype"], "model.dtype", "cpu", check=False)
     return out
 
 

@@ -25,6 +25,7 @@ from core.config import UserInputError, save_config
 from core.io import atomic_write_json
 from data_prep import cache as cache_mod
 from data_prep import label_counts
+from data_prep.features import FeatureDefinition
 from data_prep.labels import forward_features, regenerate
 from data_prep.front import (SPLITS, SplitConversations, TemplatedConversation, heldout_prompts,  # noqa: F401
                               read_split, template_split)
@@ -249,12 +250,28 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         the summary dict (also ``<cache>/summary.json`` once every shard of both splits exists):
         conversations, tokens, assistant tokens, dropped by reason, bytes on disk, bytes per token.
 
+    The base runs in ``model.dtype`` (``auto`` resolved for the CPU by :func:`core.precision.resolve_dtype`:
+    one line; bf16 on a CPU without bf16 instructions is refused before anything is written); the
+    cache's ``config.yaml``, hash and manifest ``features`` (:class:`data_prep.features.FeatureDefinition`)
+    record the dtype that ran.
+
     Raises:
+        core.config.ConfigError: ``model.dtype=bfloat16`` on a CPU without bf16 instructions.
+        ValueError: ``model`` was loaded in another dtype than ``model.dtype`` resolves to.
         UserInputError: bad ``prep.layers``, a cache directory prepared under other settings, or no
             usable conversation.
     """
     if rank is None or world is None:
         rank, world = cache_mod.rank_world()
+    # the base's compute dtype first: model.dtype=auto -> what runs on this CPU (one line), bf16 without
+    # bf16 instructions refused; the cache's config.yaml, hash and manifest record the resolved dtype
+    from core.precision import resolve_dtype, torch_dtype, with_values
+
+    compute = resolve_dtype(cfg.model.dtype, "model.dtype", "cpu")
+    cfg = with_values(cfg, {"model.dtype": compute})
+    if model is not None and model.dtype != torch_dtype(compute):
+        raise ValueError(f"prepare() was given a base in {model.dtype} but model.dtype resolves to {compute}; "
+                         f"load it with dtype={compute} (core.base_model.load_base_model(cfg.model))")
     root = cache_mod.default_cache_dir(cfg)
     chash = cache_mod.cache_hash(cfg)
     max_length = int(cfg.data.max_length)
@@ -297,6 +314,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
                    **({"hidden_scale": "float32"} if is_fp8(dtype) else {})},
         "pad_id": int(pad_id),
         "labels": str(cfg.labels),
+        "features": FeatureDefinition.from_config(cfg, L).to_dict(),
         "max_length": max_length,
         "max_new_tokens": (max_new if max_new is not None else max_length) if cfg.labels == "regenerate" else None,
         "data_sources": [s.describe() for s in data.sources],

@@ -385,7 +385,11 @@ def check_resume_config(cfg: Any, run_dir: str | Path) -> None:
     if not path.is_file():
         return
     recorded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    changed = changed_run_keys(recorded, to_container(cfg))
+    current = to_container(cfg)
+    if recorded.get("train", {}).get("precision") == "auto":
+        # recorded before auto was resolved: train.run.resolve_run_precision gives it its old meaning
+        recorded["train"]["precision"] = current.get("train", {}).get("precision")
+    changed = changed_run_keys(recorded, current)
     if changed:
         shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changed.items())[:8])
         more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""

@@ -172,10 +172,12 @@ def _head_state(module: DraftHeadModule, checkpoint: dict[str, Any]) -> dict[str
 
 
 def export_checkpoints(trainer: pl.Trainer, module: DraftHeadModule, ckpt_cb, run_dir: Path,
-                       identity: dict[str, Any], head=None) -> dict[str, Path]:
+                       identity: dict[str, Any], head=None, extra: dict[str, Any] | None = None) -> dict[str, Path]:
     """Export ``<run_dir>/last`` (the final weights) and ``<run_dir>/best`` (the best monitored checkpoint).
 
     Only global rank 0 writes.  ``best`` falls back to the final weights when no validation ran.
+    ``extra`` is added to both exports' ``config.json`` ``extra`` (:func:`train`: ``features``, the
+    feature definition the head was trained on, and ``precision``, the training precision that ran).
     Returns the written directories by name.
     """
     if not trainer.is_global_zero:
@@ -186,7 +188,7 @@ def export_checkpoints(trainer: pl.Trainer, module: DraftHeadModule, ckpt_cb, ru
     common = {"global_step": int(trainer.global_step), "epoch": int(trainer.current_epoch),
               "monitor": module.monitor[0], "mode": module.monitor[1], "run_dir": str(run_dir),
               # training wall-clock over all resumed segments (Lightning's Timer; only with train.max_time)
-              "train_seconds": float(timer.time_elapsed("train")) if timer is not None else None}
+              "train_seconds": float(timer.time_elapsed("train")) if timer is not None else None, **(extra or {})}
     out["last"] = export_head(head, run_dir / "last", identity, {**common, "checkpoint": "last"})
     best_path = ckpt_cb.best_model_path
     if best_path and Path(best_path).is_file():
@@ -233,6 +235,16 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
             lacks a hidden-state layer the head reads.
     """
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    from train.resume import resolve_resume
+    from train.strategies import consolidated_head
+
+    resume_path, resume_dir = resolve_resume(cfg, run_dir_for)  # resume=auto|<path>
+    online = str(cfg.train.get("features", "offline")) != "offline"
+    # what runs, before the base loads or a directory exists: model.dtype / train.precision = auto resolved
+    # (core.precision; a resumed run keeps what it recorded), the offline cache's feature definition checked
+    resumed = resume_dir if resume_path else (
+        Path(ckpt_path).parent.parent if ckpt_path and Path(ckpt_path).parent.name == "checkpoints" else None)
+    cfg, cache_def = resolve_run_precision(cfg, resumed, online, datamodule)
     if base is None:
         from core.base_model import load_base_model
 
@@ -240,7 +252,6 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     model, tokenizer, identity = base
     identity_dict = identity.to_dict() if hasattr(identity, "to_dict") else dict(identity)
     features = None
-    online = str(cfg.train.get("features", "offline")) != "offline"
     if online:  # train.online: the frozen base runs inside training (token batches, no feature cache)
         from train.online import online_datamodule
 
@@ -248,10 +259,11 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         datamodule = datamodule or online_dm
     elif datamodule is None:
         datamodule = _cache_datamodule(cfg, tokenizer, identity_dict)
-    from train.resume import resolve_resume
-    from train.strategies import consolidated_head
+    if not online and cache_def is None and getattr(getattr(datamodule, "train_reader", None), "manifest", None):
+        from data_prep.features import FeatureDefinition
 
-    resume_path, resume_dir = resolve_resume(cfg, run_dir_for)  # resume=auto|<path>
+        reader = datamodule.train_reader
+        cache_def = FeatureDefinition.from_manifest(reader.manifest, Path(reader.directory).parent)
     ckpt_path = ckpt_path or (str(resume_path) if resume_path else None)
     run_dir = resume_dir or run_dir_for(cfg)
     if ckpt_path is None:
@@ -276,12 +288,6 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         check_online_config(cfg, model, module.head)
     else:
         check_cache_layers(module.head, datamodule)
-    from train.config_checks import cpu_precision_warning
-
-    if (note := cpu_precision_warning(cfg)) is not None:
-        from lightning.pytorch.utilities import rank_zero_warn
-
-        rank_zero_warn(note)
     from train.resume import check_resume_data, data_identity
 
     module.data_identity = data_identity(datamodule)
@@ -315,7 +321,12 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
                 "exports": dict(interrupted_exports), "preempted": stop}
     head = consolidated_head(trainer, module)  # collective under ZeRO (gathers fp32 masters)
-    exports = export_checkpoints(trainer, module, ckpt_cb, run_dir, identity_dict, head=head)
+    from data_prep.features import FeatureDefinition
+
+    trained_on = cache_def or FeatureDefinition.from_config(cfg, int(model.config.num_hidden_layers))
+    record = {"features": {**trained_on.to_dict(), "source": str(cfg.train.get("features", "offline"))},
+              "precision": str(cfg.train.precision)}
+    exports = export_checkpoints(trainer, module, ckpt_cb, run_dir, identity_dict, head=head, extra=record)
     return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
             "exports": exports, "preempted": None}
 
@@ -335,6 +346,61 @@ def resume_command(argv: list[str], run_name: str) -> str:
     if not any(a.startswith("train.run_name=") for a in args):
         args.append(f"train.run_name={run_name}")
     return " ".join(shlex.quote(a) for a in [python, "-m", "train", *args, "resume=auto"])
+
+
+def resolve_run_precision(cfg: DictConfig, resumed_run: Path | None, online: bool, datamodule=None):
+    """``(cfg with model.dtype and train.precision resolved, the offline cache's FeatureDefinition or None)``.
+
+    * ``train.precision=auto`` -> ``bf16-mixed`` where bf16 is native on the training device, else
+      ``32-true`` (one line; :func:`core.precision.resolve_train_precision`).
+    * ``model.dtype`` (the base's compute dtype, ``data_prep.features``): online / hybrid resolve
+      ``auto`` for the training device (a GPU: bf16); offline, the base never runs, and ``auto``
+      takes the cache's recorded compute dtype, while an explicit value that differs from it is
+      refused with the difference (:func:`data_prep.features.check_same_features`).
+    * A resumed run (``resumed_run`` holds its ``config.yaml``) keeps the values it recorded; a run
+      recorded before ``auto`` was resolved (``train.precision: auto``) keeps the old meaning
+      (``bf16-mixed`` on GPUs, ``32-true`` on CPUs).
+
+    The returned config is what the run's ``config.yaml`` records.
+
+    Raises:
+        core.config.ConfigError: bf16 asked for on a device without bf16 instructions.
+        UserInputError: ``model.dtype`` differs from the offline cache's compute dtype.
+    """
+    from core.precision import note, resolve_dtype, resolve_train_precision, with_values
+    from train.strategies import legacy_auto_precision, resolve_accelerator
+
+    accel = resolve_accelerator(str(cfg.train.accelerator))
+    recorded = None
+    if resumed_run is not None and (Path(resumed_run) / "config.yaml").is_file():
+        recorded = OmegaConf.load(Path(resumed_run) / "config.yaml")
+    precision, dtype = str(cfg.train.precision), str(cfg.model.dtype)
+    if precision == "auto" and recorded is not None:
+        was = str(OmegaConf.select(recorded, "train.precision", default="auto"))
+        precision = legacy_auto_precision(accel) if was == "auto" else was
+        note(f"train.precision=auto -> {precision}: the resumed run {resumed_run} trained in it")
+    else:
+        precision = resolve_train_precision(precision, accel)
+    cache_def = None
+    if not online and datamodule is None:
+        from data_prep.cache import default_cache_dir
+        from data_prep.features import FeatureDefinition, cache_features, check_same_features
+
+        cache_dir = Path(cfg.train.cache_dir) if cfg.train.get("cache_dir") else default_cache_dir(cfg)
+        cache_def = cache_features(cache_dir)
+        if cache_def is not None and cache_def.compute_dtype is not None:
+            if dtype == "auto":
+                dtype = cache_def.compute_dtype
+                note(f"model.dtype=auto -> {dtype}: the compute dtype of the cache {cache_dir}")
+            else:
+                run_def = FeatureDefinition(**{**cache_def.to_dict(), "layers": cache_def.layers,
+                                               "compute_dtype": resolve_dtype(dtype, "model.dtype", "cpu")})
+                check_same_features(cache_def, run_def, f"cache {cache_dir}")
+    if dtype == "auto" and recorded is not None:
+        was = str(OmegaConf.select(recorded, "model.dtype", default="auto"))
+        dtype = was if was != "auto" else dtype
+    dtype = resolve_dtype(dtype, "model.dtype", "cuda" if online and accel == "gpu" else "cpu")
+    return with_values(cfg, {"train.precision": precision, "model.dtype": dtype}), cache_def
 
 
 def _checkpoint_step(path: str | os.PathLike) -> int:

@@ -21,7 +21,8 @@ with the *consolidated* fp32 head weights (ZeRO-3 partitions gathered) through t
 CheckpointIO, plus one safetensors + JSON file per rank with that rank's ZeRO optimizer partition
 (fp32 master weights, Adam moments, step), which resume loads back into the engine.
 
-Bf16 mixed precision is the GPU default (``precision: auto``); CPUs run fp32.
+``train.precision=auto`` is bf16-mixed wherever bf16 is native (GPUs; CPUs with AMX or AMD
+avx512_bf16), else 32-true (:mod:`core.precision`, docs/precision.md).
 """
 from __future__ import annotations
 
@@ -127,10 +128,19 @@ def resolve_devices(value: Any, accelerator: str, num_nodes: int) -> int | list[
 
 
 def resolve_precision(value: str, accelerator: str) -> str:
-    """``auto`` -> ``bf16-mixed`` on GPUs, ``32-true`` on CPUs; else the Lightning string as given."""
-    if value == "auto":
-        return "bf16-mixed" if accelerator == "gpu" else "32-true"
-    return str(value)
+    """``auto`` -> ``bf16-mixed`` where bf16 is native on ``accelerator`` (any bf16 GPU; a CPU with
+    AMX or AMD avx512_bf16), else ``32-true``, with one line saying why; other Lightning strings as
+    given (:func:`core.precision.resolve_train_precision`; :func:`train.run.train` resolves before
+    the Trainer is built, so its ``config.yaml`` records what ran)."""
+    from core.precision import resolve_train_precision
+
+    return resolve_train_precision(value, accelerator)
+
+
+def legacy_auto_precision(accelerator: str) -> str:
+    """What ``train.precision=auto`` meant before it looked at the CPU's bf16 support: ``bf16-mixed``
+    on GPUs, ``32-true`` on CPUs (a resumed run recorded with ``auto`` keeps it)."""
+    return "bf16-mixed" if accelerator == "gpu" else "32-true"
 
 
 # ---------------------------------------------------------------------------------------------
