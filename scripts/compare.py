@@ -243,11 +243,16 @@ class Driver:
 
     def prepare(self) -> None:
         """One data-prep stage per cache (``prep``; the caches of a map run one after another, each on
-        all cores: ``prep``, or ``prep-<name>``)."""
+        all cores: ``prep``, or ``prep-<name>``).  A cache that no head of ``heads_to_run`` trains on is
+        skipped with a line (it is built by the run that selects such a head)."""
         c = self.cfg
         specs = [("prep", list(c.prep))] if not isinstance(c.prep, DictConfig) else \
             [(f"prep-{n}", list(c.prep[n])) for n in cache_names(c)]
+        used = {self.head_cache(n) for n in c.heads_to_run}
         for (stage, overrides), name in zip(specs, cache_names(c)):
+            if self.cache_dir(name) not in used:
+                print(f"[compare] {stage}: skipped, no head in heads_to_run trains on cache {name!r}", flush=True)
+                continue
             self.run_stage(stage, [[self.py, "-m", "data_prep", *c.common, *overrides,
                                     f"prep.cache_dir={self.cache_dir(name)}",
                                     "prep.progress=false", f"output_root={self.out}"]])

@@ -184,3 +184,23 @@ def test_compare_driver_two_caches_and_a_token_budget(tiny_setup, capsys):
     assert "heads.ctc_ce.cache='nope': not a cache of prep (have regen, tf)" in capsys.readouterr().err
     assert compare.main(["--config", str(config), "train_budget=[]"]) == 2
     assert "no training budget" in capsys.readouterr().err
+    # a cache no selected head trains on is not built
+    assert compare.main(["--config", str(config), "--dry-run", "stages=[prep]", "heads_to_run=[ctc_ce]"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[2] for ln in lines if ln.startswith("[run ]")] == ["prep-tf"]
+    assert "[compare] prep-regen: skipped, no head in heads_to_run trains on cache 'regen'" in lines
+
+
+def test_record_config_dry_run(capsys):
+    """configs/record.yaml (issue 27) loads and plans two caches, one epoch per head, one head at a
+    time, log-spaced validation and every head evaluated on all 80 questions."""
+    assert compare.main(["--config", str(ROOT / "configs" / "record.yaml"), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ran = [ln.split()[2] for ln in lines if ln.startswith("[run ]")]
+    assert ran[:2] == ["prep-teacher_forced", "prep-regenerated"]
+    assert [r for r in ran if r.startswith("train-")] == ["train-falcon_k1", "train-eagle3", "train-ctc",
+                                                          "train-falcon_k1_regen"]
+    cmds = {ln.split()[2]: lines[i + 1] for i, ln in enumerate(lines[:-1]) if ln.startswith("[run ]")}
+    assert "labels=regenerate" in cmds["prep-regenerated"] and "prep.dtype=float8_e4m3fn" in cmds["prep-regenerated"]
+    assert "train.val_schedule=log" in cmds["train-eagle3"] and "train.max_epochs=1" in cmds["train-eagle3"]
+    assert "caches/regenerated" in cmds["train-falcon_k1_regen"] and "caches/teacher_forced" in cmds["train-ctc"]
