@@ -193,10 +193,10 @@ class _Regenerator:
     """Continuous batching over ``slots`` KV-cache slots (:func:`regenerate` describes the schedule)."""
 
     def __init__(self, model, convs: list[_Conv], eos_ids: set[int], max_new_tokens: int | None, max_length: int,
-                 slots: int, pad_id: int, on_generated, stats: Counter):
+                 slots: int, pad_id: int, on_generated, on_done, stats: Counter):
         self.model, self.convs, self.eos = model, convs, set(int(e) for e in eos_ids)
         self.max_new, self.max_length, self.pad_id = max_new_tokens, max_length, pad_id
-        self.on_generated, self.stats = on_generated, stats
+        self.on_generated, self.on_done, self.stats = on_generated, on_done, stats
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.plan = _Plan(slots)
@@ -244,8 +244,10 @@ class _Regenerator:
         return True
 
     # -- forwards -------------------------------------------------------------------------
-    def _forward(self, slots: list[int] | None) -> list[int]:
-        """Feed the pending tokens of ``slots`` (None = every active slot, one token each); argmax ids."""
+    def _forward(self, slots: list[int] | None) -> torch.Tensor:
+        """Feed the pending tokens of ``slots`` (None = every active slot, one token each).
+
+        Returns the logits after each row's last fed token, [rows, V] in the model's dtype."""
         dev = self.device
         if slots is None:
             convs = [self.convs[k] for k in self.active]
@@ -270,13 +272,20 @@ class _Regenerator:
         pos = pos.to(dev)
         # query at position q sees columns 0..q (its row's own past, left-aligned); padding queries see column 0
         allowed = self.columns[None, None, :hi] <= pos[:, :, None]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(~allowed, self.neg)[:, None]
+        if getattr(self.model.config, "_attn_implementation", None) == "sdpa":
+            mask = allowed[:, None]  # boolean: True = attend
+        else:  # additive, as eager attention expects
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(~allowed, self.neg)[:, None]
         out = self.model(input_ids=ids.to(dev), attention_mask=mask, position_ids=pos, cache=self.cache,
                          use_cache=True, logits_to_keep=1)
         for c in convs:
             c.fed += len(c.pending)
             c.pending = []
-        return out.logits[:, -1].argmax(-1).tolist()
+        return out.logits[:, -1]
+
+    def _done(self, n: int) -> None:
+        if self.on_done is not None:
+            self.on_done(n)
 
     # -- schedule -------------------------------------------------------------------------
     def run(self, order: Sequence[int]) -> None:
@@ -287,6 +296,7 @@ class _Regenerator:
                 k = queue.pop()
                 if self._start_turn(self.convs[k]):
                     return k
+                self._done(1)  # no turn fits within max_length
             return None
 
         while len(self.active) < self.slots:
@@ -299,9 +309,9 @@ class _Regenerator:
                 multi = [s for s, k in enumerate(self.active) if len(self.convs[k].pending) > 1]
                 if not multi:
                     break
-                self._step(multi, self._forward(multi), admit)
+                self._step(multi, self._forward(multi).argmax(-1).tolist(), admit)
             if self.active:
-                self._step(list(range(len(self.active))), self._forward(None), admit)
+                self._step(list(range(len(self.active))), self._forward(None).argmax(-1).tolist(), admit)
 
     def _step(self, slots: list[int], tokens: list[int], admit) -> None:
         free = []
@@ -310,6 +320,8 @@ class _Regenerator:
                 free.append(s)
         if self.on_generated is not None:
             self.on_generated(len(tokens))
+        if free:
+            self._done(len(free))
         for s in free:  # a finished conversation's slot takes the next one from the queue (from column 0)
             k = admit()
             if k is not None:
@@ -351,8 +363,8 @@ def _fast_attention(model):
 
 @torch.inference_mode()
 def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids: set[int], max_new_tokens: int | None,
-               max_length: int, batch_size: int = 16, on_generated=None, stats: Counter | None = None
-               ) -> list[tuple[list[int], list[bool]]]:
+               max_length: int, batch_size: int = 16, on_generated=None, stats: Counter | None = None,
+               on_done=None) -> list[tuple[list[int], list[bool]]]:
     """Greedily regenerate every assistant turn with the base model (``labels=regenerate``).
 
     Each conversation's turns are written in order: the generated body replaces the original
@@ -394,6 +406,8 @@ def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids
         max_length: token budget per conversation.
         batch_size: KV-cache slots (rows per decode step).
         on_generated: optional callback ``f(n_tokens)`` after every forward (tokens emitted by it).
+        on_done: optional callback ``f(n_conversations)`` when conversations end (all of them, in
+            schedule order); an exception raised by either callback stops the regeneration.
         stats: optional counter; ``generated_tokens``, ``turns`` (regenerated replies) and
             ``truncated_turns`` (replies cut by the budget) are added.
 
@@ -411,7 +425,7 @@ def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids
     if convs:
         order = sorted(range(len(convs)), key=lambda k: (-sum(s.body for s in convs[k].segments), k))
         engine = _Regenerator(model, convs, eos_ids, max_new_tokens, max_length, max(1, min(batch_size, len(convs))),
-                              pad_id, on_generated, stats)
+                              pad_id, on_generated, on_done, stats)
         with _fast_attention(model):
             engine.run(order)
     return [(c.ids[:max_length], c.mask[:max_length]) for c in convs]
