@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch
+# libgomp's default spin-waiting makes 2 threads 3-4x slower than 1 on a shared, oversubscribed
+# machine (docs/data_prep.md); it must be set before torch loads.  Pass OMP_WAIT_POLICY=ACTIVE to compare.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -218,7 +223,7 @@ def main() -> None:
     cfg = compose([f"data.max_conversations={args.conversations}", f"data.max_length={args.max_length}"]
                   + ([f"model.path={args.model_path}"] if args.model_path else []))
     sizes = [int(x) for x in args.batch_sizes.split(",") if x]
-    header = {"threads": torch.get_num_threads(), "max_length": args.max_length, "max_new_tokens": args.max_new_tokens,
+    header = {"threads": torch.get_num_threads(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "max_length": args.max_length, "max_new_tokens": args.max_new_tokens,
               "shard_size": args.shard_size, "load_avg_start": _load()}
     results = {"setup": header, "rows": []}
 
