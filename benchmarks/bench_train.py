@@ -39,8 +39,8 @@ import torch  # noqa: E402
 
 def write_synthetic_cache(root: Path, model_dir: Path, n_train: int, n_val: int, layers: list[int]) -> Path:
     """A real-format cache of random token sequences (48-95 tokens, loss on the last 3/4) run
-    through the base model at ``model_dir`` (``core.tiny.write_random_cache``)."""
-    from core.tiny import write_random_cache
+    through the base model at ``model_dir`` (``data_prep.synthetic.write_random_cache``)."""
+    from data_prep.synthetic import write_random_cache
 
     return write_random_cache(root, model_dir, n_train=n_train, n_val=n_val, layers=layers, length_range=(48, 96),
                               mask_start=lambda T, g: T // 4, shard_size=16, tag="bench")

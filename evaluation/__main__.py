@@ -28,7 +28,8 @@ def rewrite_argv(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     from core.config import cli
     from evaluation.prompts import PromptError
-    from evaluation.runner import ParityError, format_summary, run_evaluation
+    from evaluation.report import format_summary
+    from evaluation.runner import ParityError, run_evaluation
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = cli(rewrite_argv(sys.argv[1:] if argv is None else argv), __doc__)

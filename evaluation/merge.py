@@ -1,7 +1,7 @@
 """Combine sharded evaluations: ``python -m evaluation.merge [--no-report] OUT_DIR SHARD_DIR [SHARD_DIR ...]``.
 
 An evaluation split over processes or machines with ``eval.prompt_offset`` / ``eval.num_prompts``
-leaves one ``progress.jsonl`` per shard (see :class:`evaluation.runner.Progress`).  This checks
+leaves one ``progress.jsonl`` per shard (see :class:`evaluation.progress.Progress`).  This checks
 that every shard ran the same configuration against the same checkpoint weights (the header
 fingerprint; checkpoints are identified by their weights' SHA-256, so shards may spell a
 checkpoint's path differently), gathers their per-prompt records into ``OUT_DIR/progress.jsonl``
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from evaluation.runner import UNFINGERPRINTED_EVAL_KEYS, read_progress, weight_digests, write_progress
+from evaluation.progress import UNFINGERPRINTED_EVAL_KEYS, read_progress, weight_digests, write_progress
 
 USAGE = "usage: python -m evaluation.merge [--no-report] OUT_DIR SHARD_DIR [SHARD_DIR ...]"
 
@@ -177,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     from evaluation.prompts import PromptError
-    from evaluation.runner import ParityError, format_summary
+    from evaluation.report import format_summary
+    from evaluation.runner import ParityError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoding.masks import additive_mask
 from heads.base import DraftHead, Progress
 from heads.registry import register
 
@@ -156,11 +157,6 @@ class CTCHead(DraftHead):
         [..., N+1] (class i < N scores base token ``d2t[i]``; the blank stays last)."""
         return torch.cat([self.draft_lm_head(h), self.blank(h)], dim=-1)
 
-    @staticmethod
-    def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Bool visibility [..] → additive float mask (0 visible, finfo.min hidden) in ``dtype``."""
-        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
-
     # ------------------------------------------------------------------ anchors and packing
     @staticmethod
     def packed_visibility(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, num_slots: int) -> torch.Tensor:
@@ -241,7 +237,7 @@ class CTCHead(DraftHead):
         pos_slots = (a_idx[:, :, None] + 1 + torch.arange(s, device=dev)).reshape(b, a_max * s)
         position_ids = torch.cat([pos_ctx.expand(b, t_len), pos_slots], dim=1)
         vis = self.packed_visibility(a_idx, valid, t_len, s)
-        mask = self.additive_mask(vis[:, None], x.dtype)
+        mask = additive_mask(vis[:, None], x.dtype)
         out = self.run_layer(x, mask, position_ids)
         slot_out = out[:, t_len:].reshape(b, a_max, s, out.shape[-1])[valid]  # [A_tot, S, H]
         tgt_pos = a_idx[:, :, None] + torch.arange(1, n + 1, device=dev)  # labels[t+1..t+N]

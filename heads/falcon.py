@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from decoding.masks import additive_mask, block_causal_mask
 from heads.base import DraftHead, Progress
 from heads.registry import register
 from losses.falcon import falcon_loss, glancing_positions, glancing_ratio
@@ -90,28 +91,6 @@ def check_falcon_config(c: dict[str, Any]) -> None:
         bad("ttt_decay", f"must lie in (0, 1], got {c['ttt_decay']!r}")
     if not isinstance(c["decoding"]["passes"], int) or c["decoding"]["passes"] < 1:
         bad("decoding.passes", f"must be an int >= 1, got {c['decoding']['passes']!r}")
-
-
-def block_causal_mask(length: int, block_size: int, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Falcon's relaxed causal mask (METHODS.md §1.2): query i sees key j iff j ≤ (⌊i/k⌋+1)·k − 1.
-
-    Blocks are aligned at position 0; attention is bidirectional within a block and causal across
-    blocks.  With ``valid`` [B, T] bool, padding keys are hidden too.
-
-    Returns:
-        bool [T, T] (no ``valid``) or [B, 1, T, T] (True = visible).
-    """
-    i = torch.arange(length, device=None if valid is None else valid.device)
-    allowed = i[None, :] <= ((i[:, None] // block_size) + 1) * block_size - 1
-    if valid is None:
-        return allowed
-    return allowed[None, None] & valid.bool()[:, None, None, :]
-
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool visibility → additive float mask (0 visible, ``finfo(dtype).min`` hidden)."""
-    out = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return out.masked_fill(~visible, torch.finfo(dtype).min)
 
 
 @register

@@ -83,8 +83,8 @@ class DistTestHead(DraftHead):
 
 def write_tiny_cache(root: Path, model_dir: Path, n_train: int = 24, n_val: int = 8) -> Path:
     """A real-format cache of random token sequences through the tiny base at ``model_dir``
-    (``core.tiny.write_random_cache``; final layer + ``AUX_LAYER``).  Returns ``root``."""
-    from core.tiny import write_random_cache
+    (``data_prep.synthetic.write_random_cache``; final layer + ``AUX_LAYER``).  Returns ``root``."""
+    from data_prep.synthetic import write_random_cache
 
     return write_random_cache(root, model_dir, n_train=n_train, n_val=n_val, layers=[AUX_LAYER],
                               length_range=(6, 20), shard_size=8, tag="test")

@@ -27,7 +27,7 @@ def varied_base(tmp_path_factory):
 
 def test_train_then_evaluate(varied_base, tmp_path):
     from core.config import compose
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
     from evaluation.runner import run_evaluation
     from train.run import train
 
@@ -76,7 +76,7 @@ def test_train_then_evaluate(varied_base, tmp_path):
 
 def test_cache_without_the_head_layers_fails_before_training(varied_base, tmp_path):
     from core.config import UserInputError, compose
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
     from train.run import train
 
     model_dir, base = varied_base

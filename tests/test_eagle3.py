@@ -52,7 +52,7 @@ def _batch(base, lengths, mask_from=2, seed=0):
 def _causal(head, feats, toks):
     """Fresh causal forward of slots (feats [n,H], toks [n]) at positions 0..n−1 → outputs [n, H]."""
     from decoding.falcon import DraftKVCache
-    from heads.falcon import additive_mask
+    from decoding.masks import additive_mask
 
     n = toks.numel()
     vis = torch.ones(n, n, dtype=torch.bool).tril()
@@ -335,7 +335,9 @@ def test_parity_random_weights(tiny_base):
             ref, _ = greedy_generate(base, prompt, 24, eos)
             out, stats = SpeculativeDecoder(base, drafter, eos).generate(prompt, 24)
             assert out == ref
-            assert stats["drafter_passes"] == depth * stats["steps"]
+            # at most depth passes a step: fewer where fewer tokens are left or no deeper node can enter
+            # the best total_tokens (tests/test_draft_limits.py counts them exactly)
+            assert stats["steps"] <= stats["drafter_passes"] <= depth * stats["steps"]
             assert stats["tree_nodes"] <= total * stats["steps"]
 
 
@@ -388,7 +390,7 @@ def test_train_reload_and_decode(tiny_base, tiny_model_dir, tmp_path, draft_voca
     cache's training labels (as every head), checkpointed, and decoding stays lossless."""
     import heads
     from core.config import UserInputError, compose
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
     from decoding.speculative import SpeculativeDecoder
     from decoding.vanilla import greedy_generate
     from train.run import train
@@ -434,7 +436,7 @@ def test_falcon_k1_ttt_equals_hand_unrolled_reference(tiny_base):
     over the true slots 0..t plus (f̂_t, x_{t+2}) at position t+1, scored against f_{t+2}."""
     import heads
     from heads import Progress
-    from heads.falcon import additive_mask
+    from decoding.masks import additive_mask
     from losses.falcon import falcon_loss
 
     base = tiny_base[0]

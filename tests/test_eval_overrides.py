@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from core.config import ConfigError, compose
-from evaluation.runner import variant_configs
+from evaluation.methods import variant_configs
 
 
 @pytest.mark.parametrize("args,message", [

@@ -12,7 +12,8 @@ from decoding.vanilla import VanillaDecoder
 from evaluation.__main__ import main, rewrite_argv
 from evaluation.prompts import PromptError, read_jsonl_prompts
 from evaluation.merge import main as merge_main, merge_progress
-from evaluation.runner import ParityError, run_evaluation, write_progress
+from evaluation.progress import write_progress
+from evaluation.runner import ParityError, run_evaluation
 
 
 @pytest.fixture
@@ -252,7 +253,8 @@ def test_interrupted_evaluation_resumes_without_redecoding(tiny_base, tiny_model
     progress = tmp_path / "out" / "progress.jsonl"
     lines = progress.read_text().splitlines()
     assert len(lines) == 3 and [json.loads(x)["id"] for x in lines[1:]] == ["81", "p2"]
-    assert not (tmp_path / "out" / "report.json").exists()
+    part = json.loads((tmp_path / "out" / "report.json").read_text())  # what was decoded is reported (issue 28)
+    assert part["complete"] is False and [r["id"] for r in part["per_prompt"]] == ["81", "p2"]
     with progress.open("a") as f:
         f.write('{"id": "line3", "vanilla": {"tok')  # a torn write: that prompt is decoded again
 
@@ -280,7 +282,7 @@ def test_interrupted_evaluation_resumes_without_redecoding(tiny_base, tiny_model
 
 
 def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path):
-    from evaluation.runner import Progress, progress_fingerprint
+    from evaluation.progress import Progress, progress_fingerprint
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

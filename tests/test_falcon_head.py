@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from heads.base import Progress
-from heads.falcon import block_causal_mask
+from decoding.masks import block_causal_mask
 from losses.falcon import falcon_loss, glancing_positions, glancing_ratio
 
 

@@ -105,7 +105,7 @@ def test_one_wandb_run_id_per_run_directory(no_wandb_env, tmp_path, monkeypatch)
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ctc_run(tiny_model_dir, tmp_path_factory):
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
     from train.run import main
 
     root = tmp_path_factory.mktemp("records")

@@ -62,7 +62,7 @@ class ProbeHead(DraftHead):
 @pytest.fixture(scope="module")
 def tiny_cache(tiny_model_dir, tmp_path_factory):
     """A tiny cache in the real format (features and greedy labels from the tiny model)."""
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
 
     return write_random_cache(tmp_path_factory.mktemp("train_cache"), tiny_model_dir, n_train=24, n_val=9,
                               layers=[H_LAYER_AUX], length_range=(6, 24), shard_size=7)

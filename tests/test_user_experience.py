@@ -11,7 +11,8 @@ import torch
 
 from core.config import ConfigError, compose
 from evaluation.__main__ import main as eval_main, rewrite_argv
-from evaluation.runner import make_figure, run_evaluation
+from evaluation.plots import make_figure
+from evaluation.runner import run_evaluation
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -207,7 +208,7 @@ def test_adadecode_totals_are_recomputed_from_summed_counts(tiny_base, tiny_mode
                                                   / sum(r["method_seconds"] for r in rows))
         assert m["totals"]["max_inflight_seen"] == max(s["max_inflight_seen"] for s in stats)
         # the console and the PNG show AdaDecode's own figures
-        from evaluation.runner import format_summary
+        from evaluation.report import format_summary
 
         text = format_summary(rep)
         assert f"rejection rate {ds['rejection_rate'] if ds['rejection_rate'] is None else format(ds['rejection_rate'], '.3f')}".replace("None", "-") in text
@@ -281,7 +282,7 @@ def _with_sha(identity, sha):
 
 def test_training_on_a_cache_of_another_base_is_refused(tiny_base, tiny_model_dir, tmp_path, capsys):
     from core.config import UserInputError
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
     from train.run import _cache_datamodule, train
 
     cache = write_random_cache(tmp_path / "cache", tiny_model_dir, n_train=2, n_val=1)
@@ -350,7 +351,7 @@ def test_bad_data_prep_input_leaves_no_cache_directory(tiny_model_dir, tmp_path,
 @pytest.mark.parametrize("n_train,n_val,split", [(3, 0, "val split"), (0, 2, "train split")])
 def test_training_on_an_empty_split_leaves_no_run_directory(tiny_base, tiny_model_dir, tmp_path, n_train, n_val, split):
     from core.config import UserInputError
-    from core.tiny import write_random_cache
+    from data_prep.synthetic import write_random_cache
     from train.run import train
 
     cache = write_random_cache(tmp_path / "cache", tiny_model_dir, n_train=n_train, n_val=n_val)
@@ -399,10 +400,3 @@ print("DS_ACCELERATOR=" + os.environ.get("DS_ACCELERATOR", ""), file=sys.stderr)
         assert "DS_ACCELERATOR=cpu" in err  # DeepSpeed's "unable to detect" warning on import
 
 
-@pytest.mark.skipif(not NO_CUDA, reason="needs a torch without CUDA")
-def test_bf16_on_cpu_is_allowed_with_a_warning_and_auto_is_silent():
-    from train.config_checks import cpu_precision_warning
-
-    assert "much slower than fp32" in cpu_precision_warning(compose(["train.precision=bf16-mixed"]))
-    assert cpu_precision_warning(compose([])) is None
-    assert cpu_precision_warning(compose(["train.precision=32-true"])) is None

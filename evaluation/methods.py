@@ -1,0 +1,194 @@
+"""The methods an evaluation runs: a head checkpoint's (or a reference drafter's) decoder, one per
+``eval.variants`` entry.
+
+* :func:`build_decoder` loads ``eval.checkpoint`` (``heads.load``), checks it was trained on the
+  loaded base, and returns a :class:`decoding.speculative.Decoder` (a head's own decoder, or its
+  :class:`decoding.speculative.Drafter` wrapped in :class:`decoding.speculative.SpeculativeDecoder`);
+  ``eval.checkpoint=oracle|random`` builds a reference drafter (:mod:`decoding.reference`).
+* :func:`variant_configs` expands ``eval.variants`` into one checked config per method, all sharing
+  one vanilla pass per prompt.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from core.config import to_container
+from decoding.reference import OracleDrafter, RandomDrafter
+from decoding.speculative import Decoder, Drafter, SpeculativeDecoder
+
+log = logging.getLogger(__name__)
+
+REFERENCE_DRAFTERS = ("oracle", "random")
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch.device, identity=None):
+    """The method's decoder for this run, and a description dict.
+
+    ``identity`` (the loaded base's :class:`core.base_model.BaseIdentity` or its dict) is compared
+    with the base the head checkpoint recorded (:func:`core.base_model.check_same_base`).
+
+    Raises:
+        ValueError: ``eval.checkpoint`` is missing, or the checkpoint's head type differs from
+            ``heads.type``.
+        core.config.UserInputError: the checkpoint was trained on another base (unless
+            ``eval.allow_other_base=true`` and only the weights / architecture differ).
+        TypeError: ``make_drafter`` returned neither a Decoder nor a Drafter.
+    """
+    ev = cfg.eval
+    ckpt = ev.get("checkpoint")
+    if ckpt is None:
+        raise ValueError("eval.checkpoint is required: `python -m evaluation heads=<h> checkpoint=PATH` "
+                         f"(or checkpoint={'|'.join(REFERENCE_DRAFTERS)} for a reference drafter)")
+    info: dict[str, Any] = {"checkpoint": str(ckpt)}
+    if str(ckpt) in REFERENCE_DRAFTERS:
+        depth, width = int(ev.reference_depth), int(ev.reference_width)
+        if ckpt == "oracle":
+            obj = OracleDrafter(base_model, depth=depth, width=width, seed=int(cfg.get("seed", 0)))
+        else:
+            obj = RandomDrafter(int(base_model.config.vocab_size), depth=depth, width=width, seed=int(cfg.get("seed", 0)))
+        info.update(head_type=f"reference:{ckpt}", reference_depth=depth, reference_width=width)
+    else:
+        import heads
+
+        path = Path(str(ckpt))
+        if not path.is_dir():
+            raise ValueError(f"eval.checkpoint={str(ckpt)!r}: not a directory")
+        if identity is not None:  # before loading: a head of another base may not even fit
+            from core.base_model import check_same_base
+
+            recorded = json.loads((path / "config.json").read_text()).get("base") if (path / "config.json").is_file() else None
+            differs = check_same_base(recorded, identity.to_dict() if hasattr(identity, "to_dict") else dict(identity),
+                                      f"head checkpoint {path}", "eval.allow_other_base",
+                                      bool(ev.get("allow_other_base", False)))
+            if differs:
+                log.warning("eval.allow_other_base=true: %s was trained on another base (%s)", path, "; ".join(differs))
+                info["other_base"] = differs
+        head, meta = heads.load(path, base_model=base_model)
+        want = cfg.heads.get("type") if "heads" in cfg else None
+        if want is not None and meta["head_type"] != want:
+            raise ValueError(f"checkpoint {path} holds a {meta['head_type']!r} head but heads.type={want!r}; "
+                             f"run with heads={meta['head_type']}")
+        head.to(device).eval()
+        head.requires_grad_(False)
+        kwargs = {k: v for k, v in to_container(ev).items()}
+        kwargs["seed"] = int(cfg.get("seed") or 0)  # sampling decoders (temperature > 0)
+        obj = head.make_drafter(base_model, eos_token_ids=list(eos_ids), **kwargs)
+        info.update(head_type=meta["head_type"], head_config=meta.get("head"), checkpoint_extra=meta.get("extra", {}),
+                    head_parameters=int(sum(p.numel() for p in head.parameters())))
+    if isinstance(obj, Decoder):
+        info["decoder"] = type(obj).__name__
+        return obj, info
+    if isinstance(obj, Drafter):
+        info["decoder"] = f"SpeculativeDecoder({type(obj).__name__})"
+        return SpeculativeDecoder(base_model, obj, eos_ids), info
+    raise TypeError(f"make_drafter returned {type(obj).__name__}: neither a Decoder (generate) nor a Drafter "
+                    "(start/draft/accept); see docs/design.md 'Decoding runtime API'")
+
+
+def checkpoint_label(ckpt) -> str:
+    """A short name for a checkpoint: ``<run>-best`` for ``.../<run>/best``, else the last path part."""
+    if ckpt is None:
+        return "none"
+    path = Path(str(ckpt))
+    return f"{path.parent.name}-{path.name}" if path.name in ("best", "last") and path.parent.name else path.name
+
+
+_NAME_OK = re.compile(r"[^A-Za-z0-9._=,+-]+")
+
+
+# eval keys that define the shared reference run (prompts, lengths, dtype, device, sampling), not a method
+SHARED_EVAL_KEYS = frozenset({"variants", "prompts", "prompt_field", "num_prompts", "prompt_offset", "max_new_tokens",
+                              "max_prompt_tokens", "dtype", "device", "threads", "plan_threads", "warmup",
+                              "output_dir", "fail_on_mismatch", "temperature", "allow_other_base", "turns", "repeats",
+                              "prompts_per_category"})
+
+
+def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
+    """Expand ``eval.variants`` into one config per method variant.
+
+    ``eval.variants`` is null (one method: the run's own ``eval`` section) or a list of mappings of
+    ``eval.*`` overrides, e.g. ``[{checkpoint: runs/falcon/k2/best}, {checkpoint: runs/falcon/k1/best}]``
+    or ``[{gamma: 0.7}, {gamma: 0.85}]``; an optional ``name`` key names the variant's report
+    subdirectory (default: the overrides, e.g. ``gamma=0.7`` or ``k2-best`` for a checkpoint).
+    All variants share one vanilla decoding of every prompt, so their speedups are measured against
+    the same reference in the same run.
+
+    Returns:
+        ``[(name, cfg)]``: ``name`` is None when ``eval.variants`` is unset.
+
+    Raises:
+        ValueError: a variant is not a mapping, overrides an unknown ``eval`` key or one shared by
+            the whole run (:data:`SHARED_EVAL_KEYS`: prompts, lengths, dtype, device, temperature...;
+            the key and the variant index are named), two variants share a name, or a variant's
+            merged ``eval`` section fails the checks a whole run's does (a value's type or range,
+            :func:`evaluation.config_checks.check_decoding_overrides`); the message names
+            ``eval.variants[i]``.
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    raw = cfg.eval.get("variants")
+    if not raw:
+        return [(None, cfg)]
+    out: list[tuple[str | None, DictConfig]] = []
+    for i, v in enumerate(to_container(raw) if not isinstance(raw, list) else raw):
+        if not isinstance(v, dict) or not v:
+            raise ValueError(f"eval.variants[{i}]={v!r}: expected a non-empty mapping of eval.* overrides")
+        v = dict(v)
+        name = v.pop("name", None)
+        bad = sorted(k for k in v if k not in cfg.eval or k == "variants")
+        if bad:
+            raise ValueError(f"eval.variants[{i}]: unknown eval key(s) {', '.join(bad)}; valid: "
+                             f"{', '.join(sorted(k for k in cfg.eval if k not in SHARED_EVAL_KEYS))}")
+        shared = sorted(k for k in v if k in SHARED_EVAL_KEYS)
+        if shared:
+            raise ValueError(f"eval.variants[{i}]: {', '.join(shared)} cannot differ between variants (one vanilla "
+                             f"pass serves them all); set eval.{shared[0]} for the whole run")
+        if name is None:
+            parts = []
+            for k, val in v.items():
+                if k == "checkpoint" and val not in REFERENCE_DRAFTERS:
+                    parts.append(checkpoint_label(val))
+                else:
+                    parts.append(f"{k}={val}")
+            name = ",".join(parts)
+        name = _NAME_OK.sub("_", str(name)).strip("._") or f"variant{i}"
+        if any(name == n for n, _ in out):
+            raise ValueError(f"eval.variants[{i}]: duplicate variant name {name!r}; give each a distinct `name`")
+        from core.config import ConfigError, check_override_type
+
+        for k, val in v.items():
+            try:
+                check_override_type(f"eval.variants[{i}].{k}", cfg.eval.get(k), val)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        c = cfg.copy()
+        with open_dict(c):
+            c.eval.variants = None
+            for k, val in v.items():
+                OmegaConf.update(c, f"eval.{k}", val, merge=False)
+        from core.config import validate
+        from evaluation.config_checks import check_decoding_overrides
+
+        try:  # the variant's eval section passes the same checks as a whole run's (ranges, per-head overrides)
+            heads_cfg = to_container(c.heads) if "heads" in c else {}
+            check_decoding_overrides({k: val for k, val in to_container(c.eval).items() if k in v},
+                                     heads_cfg.get("type"), heads_cfg, where=f"eval.variants[{i}]")
+            validate(c)
+        except ConfigError as exc:
+            msg = str(exc)
+            raise ValueError(msg if msg.startswith(f"eval.variants[{i}]") else f"eval.variants[{i}]: {msg}") from None
+        out.append((name, c))
+    return out
