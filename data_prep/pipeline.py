@@ -187,7 +187,8 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         guard's reasons (:func:`non_finite_reason`: a non-finite hidden state or label, or a state
         the storage dtype ``storage`` cannot hold; the conversation is dropped) and, for
         ``regenerate``, ``regen_turns`` (replies regenerated) and ``regen_truncated_turns`` (replies
-        cut by the budget, left without an end-of-turn).  ``examples`` (optional dict) receives the
+        cut by the budget, left without an end-of-turn), both counted as generated, before the
+        guard drops a conversation.  ``examples`` (optional dict) receives the
         first dropped conversation per guard reason: ``{reason: {"id", "layer", "position", "value"}}``.
     """
     eos = end_of_turn_ids(tokenizer, model)

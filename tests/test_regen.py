@@ -352,3 +352,52 @@ def test_regeneration_progress_counts_conversations_with_rate_and_eta(varied, va
     pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
     err = capsys.readouterr().err
     assert f"{n}/{n}" in err.replace("\r", "\n").strip().splitlines()[0]
+
+
+def _reply_ends(mask: list[bool]) -> list[int]:
+    """Positions of the last generated token of each reply (the end of each run of True)."""
+    return [t for t in range(len(mask)) if mask[t] and (t + 1 == len(mask) or not mask[t + 1])]
+
+
+def test_finite_value_guard_drops_and_counts_a_regenerated_conversation(varied, varied_dir, data_file, tmp_path,
+                                                                         monkeypatch):
+    """labels=regenerate keeps main's finite-value guard: a conversation whose regenerated features
+    hold a NaN is dropped and counted (non_finite_hidden, with its example), the rest are cached, and
+    regen_turns counts the replies as regenerated (the dropped conversation's included)."""
+    model, tok, ident = varied
+    real_regen, real_ff = pipeline.regenerate, pipeline.forward_features
+    outputs: dict[tuple, list[bool]] = {}
+    poisoned: list[tuple] = []
+
+    def regen(*args, **kwargs):
+        out = real_regen(*args, **kwargs)
+        outputs.update({tuple(ids): list(mask) for ids, mask in out})
+        return out
+
+    def ff(model_, seqs, pad_id, layers, **kw):
+        out = real_ff(model_, seqs, pad_id, layers, **kw)
+        if not poisoned:
+            poisoned.append(tuple(seqs[0]))
+            out[0]["hidden"][max(layers)] = out[0]["hidden"][max(layers)].clone()
+            out[0]["hidden"][max(layers)][len(seqs[0]) // 2, 3] = float("nan")
+        return out
+
+    monkeypatch.setattr(pipeline, "regenerate", regen)
+    monkeypatch.setattr(pipeline, "forward_features", ff)
+    cfg = _cfg(varied_dir, data_file, tmp_path)
+    summary = pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
+    assert summary["dropped"].get("non_finite_hidden") == 1
+    assert summary["drop_examples"]["non_finite_hidden"]["message"].startswith("nan at layer")
+    kept, turns = 0, 0
+    for split in ("train", "val"):
+        reader = CacheReader(default_cache_dir(cfg) / split)
+        for i in range(len(reader)):
+            r = reader[i]
+            assert tuple(r["input_ids"].tolist()) != poisoned[0]
+            assert all(torch.isfinite(t).all() for t in (r["hidden"], *r["aux_hidden"].values()))
+            turns += len(_reply_ends(r["loss_mask"].tolist()))
+            kept += 1
+    assert kept == sum(1 for m in outputs.values() if any(m)) - 1
+    assert summary["regen_turns"] == turns + len(_reply_ends(outputs[poisoned[0]])) > turns
+    text = pipeline.format_summary(summary)
+    assert "non_finite_hidden 1" in text and f"regenerated replies: {summary['regen_turns']:,}" in text
