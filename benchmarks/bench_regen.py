@@ -41,8 +41,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-# libgomp's default spin-waiting makes 2 threads 3-4x slower than 1 on a shared, oversubscribed
-# machine (docs/data_prep.md); it must be set before torch loads.  Pass OMP_WAIT_POLICY=ACTIVE to compare.
+# libgomp's default spin-waiting burns the other engineers' cores on a shared, oversubscribed machine
+# (docs/data_prep.md); it must be set before torch loads.  Pass OMP_WAIT_POLICY=ACTIVE to compare.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402

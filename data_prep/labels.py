@@ -340,8 +340,8 @@ def _fast_attention(model):
     """Run regeneration on ``sdpa`` when the base was loaded with ``eager`` (restored after).
 
     Eager attention copies each key/value head per query group (``repeat_kv``) at every step;
-    ``sdpa``'s single-query path groups the queries instead (about 2x fewer CPU seconds per
-    decode step on SmolLM2-135M, docs/data_prep.md).  Any other implementation is kept."""
+    ``sdpa``'s single-query path groups the queries instead (docs/data_prep.md).  Any other
+    implementation is kept."""
     old = getattr(model.config, "_attn_implementation", None)
     switch = old == "eager" and getattr(model, "_supports_sdpa", False) and hasattr(model, "set_attn_implementation")
     if switch:
@@ -365,7 +365,7 @@ def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids
     tokens and the user turns are kept.  Each row's tokens equal batch-1 greedy decoding of its
     context (argmax of the logits, first maximum on ties) up to floating-point rounding: exact
     in float32 on the tests' model; in bfloat16 a near-tie may differ from batch 1
-    (docs/data_prep.md gives the measured agreement).
+    (``benchmarks/bench_regen.py --agree-turns`` measures the share that agrees).
 
     Schedule (continuous batching): ``batch_size`` KV-cache slots, each holding one
     conversation's keys/values left-aligned (a row's token at position p in column p, its own
