@@ -11,8 +11,8 @@ Each is repeated ``--repeats`` times alternately; the best time of each is repor
 teacher-forced here.  Targets (issue 2): prep ≥ 0.90× forward tokens/s, cache ≤ 1.02× raw bytes.
 
 ``--regenerate`` (issue 15) also times ``labels=regenerate``'s generation
-(:func:`data_prep.labels.regenerate`: KV cache kept across a conversation's turns, finished rows
-dropped from the batch) against the bare batched greedy generation of ``transformers``
+(:func:`data_prep.labels.regenerate`: continuous batching over a slot KV cache, docs/data_prep.md;
+``benchmarks/bench_regen.py`` is the fuller sweep over batch sizes) against the bare batched greedy generation of ``transformers``
 (``model.generate``, greedy, left-padded, same batches of ``--gen-batch-size``) over exactly the
 same turns — every turn's full regenerated context as prompt, its regenerated length as budget —
 and checks that both produce the same tokens.

@@ -5,15 +5,17 @@
   greedy label ``argmax_v z_t`` at every position (the base's prediction of token t+1).
   The LM head is applied in chunks so the [B, T, V] logits tensor is never materialised.
 * :func:`regenerate` — ``labels=regenerate`` (METHODS.md §0 Rec.): every assistant turn is
-  rewritten by the base model's own greedy decoding (batched, left-padded, KV cache kept across
-  a conversation's turns, finished rows dropped: :func:`greedy_generate`), given the conversation
-  so far, up to ``data.max_length`` tokens per turn by default.  Features then come from a teacher-forced
-  pass over the regenerated conversation, so labels equal what the base really emits.
+  rewritten by the base model's own greedy decoding, given the conversation so far, up to
+  ``data.max_length`` tokens per turn by default: continuous batching over a slot KV cache
+  (each conversation keeps its slot across its turns; a finished conversation's slot takes the
+  next one at once).  Features then come from a teacher-forced pass over the regenerated
+  conversation, so labels equal what the base really emits.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -60,196 +62,363 @@ def forward_features(model, seqs: Sequence[Sequence[int]], pad_id: int, layers: 
              "hidden": {l: hs[l][i, :n].cpu() for l in layers}} for i, n in enumerate(lengths)]
 
 
-#: one row's KV cache for the tokens fed so far: per layer ``(keys, values)``, each [H_kv, n, D]
-RowPast = list
+# ---------------------------------------------------------------------------------------------
+# labels=regenerate: continuous batching over a slot KV cache
+# ---------------------------------------------------------------------------------------------
 
+class _Plan:
+    """Where the next forward's tokens go in a :func:`_slot_cache` (shared by all its layers).
 
-def _batch_cache(pasts: Sequence[RowPast | None], lengths: Sequence[int], C: int):
-    """A DynamicCache [B, H_kv, C, D] with row r's ``lengths[r]`` past columns right-aligned (others zero, masked)."""
-    from transformers import DynamicCache
-
-    ref = next(p for p in pasts if p is not None)
-    cache = DynamicCache()
-    for l, (k0, v0) in enumerate(ref):
-        K = k0.new_zeros((len(pasts), k0.shape[0], C, k0.shape[-1]))
-        V = v0.new_zeros((len(pasts), v0.shape[0], C, v0.shape[-1]))
-        for r, p in enumerate(pasts):
-            if p is not None and lengths[r]:
-                K[r, :, C - lengths[r]:] = p[l][0]
-                V[r, :, C - lengths[r]:] = p[l][1]
-        cache.update(K, V, l)
-    return cache
-
-
-def _row_past(cache, row: int, cols: torch.Tensor) -> RowPast:
-    return [(layer.keys[row][:, cols].clone(), layer.values[row][:, cols].clone()) for layer in cache.layers]
-
-
-@torch.inference_mode()
-def greedy_generate(model, prompts: Sequence[Sequence[int]], pad_id: int, eos_ids: set[int],
-                    max_new_tokens: int | Sequence[int], past: Sequence[RowPast | None] | None = None,
-                    keep_past: bool = False, on_tokens=None):
-    """Batched greedy decoding with a KV cache, optionally continuing from per-row caches.
-
-    Row r's context is ``past[r]`` (the KV of tokens fed earlier, e.g. the previous turns of a
-    conversation) followed by ``prompts[r]``.  One prefill feeds the new tokens (left-padded,
-    the pasts right-aligned in front of them, every pad masked out, position ids counted per
-    row), then one single-token step per new token, each feeding ``argmax_v logits`` back.  A
-    row stops after emitting any id in ``eos_ids`` or after its budget and is dropped from the
-    batch (its KV-cache row too, ``DynamicCache.batch_select_indices``); the loop ends when no
-    row is left.  Each row's tokens equal batch-1 greedy decoding of its full context
-    (tests/test_data_prep.py checks it against ``model.generate``).
-
-    Args:
-        model: frozen HF causal LM.
-        prompts: B non-empty token-id lists (the new tokens after each row's past).
-        pad_id: id used for padding (masked out).
-        eos_ids: end-of-turn ids.
-        max_new_tokens: step budget, one int or one per row (each >= 1).
-        past: optional per-row :data:`RowPast` (``None`` entries = no past).
-        keep_past: also return each row's KV after generation: past + prompt + generated
-            tokens except the last one (which was emitted, not fed).
-        on_tokens: optional callback ``f(n)`` after every decoding step (n = tokens emitted).
-
-    Returns:
-        per prompt the generated ids (up to and including the first eos, at most its budget);
-        with ``keep_past``, ``(generated, pasts)``.
+    ``rows`` None: a decode step over slots ``0..A-1``, one token each, ``cols`` [A] its column;
+    the layers return views ``[:A, :, :hi]`` (no copy).  ``rows`` LongTensor [J]: a prefill of
+    those slots, ``cols`` [J, N] the column of every fed token (the dump column ``width`` for left
+    padding); the layers return ``[rows, :, :hi]`` (a gather).
     """
-    device = next(model.parameters()).device
-    B = len(prompts)
-    budgets = [int(max_new_tokens)] * B if isinstance(max_new_tokens, int) else [int(b) for b in max_new_tokens]
-    past = list(past) if past is not None else [None] * B
-    plen = [0 if p is None else int(p[0][0].shape[1]) for p in past]
-    C, M = max(plen), max(len(p) for p in prompts)
-    ids = torch.full((B, M), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, C + M), dtype=torch.long)
-    pos = torch.zeros((B, M), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, M - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        attn[i, C - plen[i]: C] = 1
-        attn[i, C + M - len(p):] = 1
-        pos[i, M - len(p):] = torch.arange(plen[i], plen[i] + len(p))
-    ids, attn, pos = ids.to(device), attn.to(device), pos.to(device)
-    cache = _batch_cache(past, plen, C) if C else None
-    eos = torch.as_tensor(sorted(eos_ids), dtype=torch.long, device=device)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values if getattr(out, "cache", None) is None else out.cache
-    last_pos = pos[:, -1:]
-    rows = list(range(B))            # batch row -> prompt index (finished rows are dropped)
-    result: list[list[int]] = [[] for _ in range(B)]
-    pasts: list[RowPast | None] = [None] * B
-    while rows:
-        nxt = out.logits[:, -1].argmax(-1)
-        fin = torch.isin(nxt, eos)
-        for j, (r, tok) in enumerate(zip(rows, nxt.tolist())):
-            result[r].append(tok)
-            if len(result[r]) >= budgets[r]:
-                fin[j] = True
-        if on_tokens is not None:
-            on_tokens(len(rows))
-        if bool(fin.any()):
-            if keep_past:
-                for j in fin.nonzero().squeeze(1).tolist():
-                    pasts[rows[j]] = _row_past(cache, j, attn[j].bool())
-            keep = (~fin).nonzero().squeeze(1)
-            if keep.numel() == 0:
-                break
-            # drop finished rows from the batch: fewer rows per step, same per-row computation
-            cache.batch_select_indices(keep)
-            attn, last_pos, nxt = attn[keep], last_pos[keep], nxt[keep]
-            rows = [rows[i] for i in keep.tolist()]
-        attn = torch.cat([attn, attn.new_ones((len(rows), 1))], dim=1)
-        last_pos = last_pos + 1
-        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos, cache=cache,
-                    use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values if getattr(out, "cache", None) is None else out.cache
-    return (result, pasts) if keep_past else result
+
+    def __init__(self, slots: int):
+        self.rows: torch.Tensor | None = None
+        self.cols = torch.zeros(0, dtype=torch.long)
+        self.hi = 0
+        self.arange = torch.arange(slots)
+        self.heads = torch.arange(1024)
+
+
+_SLOT_LAYER = None
+
+
+def _slot_layer_class():
+    """The transformers cache layer over slots (defined on first use: importing transformers is slow)."""
+    global _SLOT_LAYER
+    if _SLOT_LAYER is None:
+        from transformers.cache_utils import CacheLayerMixin
+
+        class SlotLayer(CacheLayerMixin):
+            """One layer's keys and values [S, H_kv, width + 1, D]: slot s holds its row's token at
+            position p in column p (left-aligned, so a row's next turn appends in place); column
+            ``width`` takes the padding's keys and is never attended to."""
+
+            is_sliding = False
+
+            def __init__(self, plan: _Plan, slots: int, width: int):
+                super().__init__()
+                self.plan, self.slots, self.width = plan, slots, width
+
+            def lazy_initialization(self, key_states, value_states):
+                shape = (self.slots, key_states.shape[1], self.width + 1)
+                self.keys = key_states.new_zeros((*shape, key_states.shape[-1]))
+                self.values = value_states.new_zeros((*shape, value_states.shape[-1]))
+                self.device = key_states.device
+                self.is_initialized = True
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                p = self.plan
+                H, C = self.keys.shape[1], self.keys.shape[2]
+                # flat row index of (slot, head, column) in the [S * H * C, D] view: one index_copy_ per tensor
+                if p.rows is None:
+                    A = key_states.shape[0]
+                    flat = ((p.arange[:A, None] * H + p.heads[None, :H]) * C + p.cols[:, None]).reshape(-1)
+                else:
+                    flat = ((p.rows[:, None, None] * H + p.heads[None, :H, None]) * C + p.cols[:, None, :]).reshape(-1)
+                self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, key_states.reshape(-1, key_states.shape[-1]))
+                self.values.view(-1, self.values.shape[-1]).index_copy_(
+                    0, flat, value_states.reshape(-1, value_states.shape[-1]))
+                if p.rows is None:
+                    return self.keys[:A, :, : p.hi], self.values[:A, :, : p.hi]
+                return self.keys[p.rows, :, : p.hi], self.values[p.rows, :, : p.hi]
+
+            def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+                return self.plan.hi, 0
+
+            def get_seq_length(self) -> int:
+                return self.plan.hi
+
+            def get_max_length(self) -> int:
+                return self.width
+
+            def move(self, dst: int, src: int, n: int) -> None:
+                if self.is_initialized and n:
+                    self.keys[dst, :, :n] = self.keys[src, :, :n]
+                    self.values[dst, :, :n] = self.values[src, :, :n]
+
+        _SLOT_LAYER = SlotLayer
+    return _SLOT_LAYER
+
+
+def _slot_cache(plan: _Plan, slots: int, width: int):
+    """A transformers ``Cache`` of :func:`_slot_layer_class` layers (allocated on the first forward)."""
+    from functools import partial
+
+    from transformers.cache_utils import Cache
+
+    return Cache(layer_class_to_replicate=partial(_slot_layer_class(), plan, slots, width))
+
+
+def _check_full_attention(model, max_length: int) -> None:
+    """The slot cache implements full causal attention; refuse a window shorter than ``max_length``."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(cfg, "layer_types", None) or []
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = any(t != "full_attention" for t in types) or (
+        window is not None and bool(getattr(cfg, "use_sliding_window", True)) and not types)
+    if uses_window and (window is None or int(window) < max_length):
+        raise ValueError(f"labels=regenerate: {type(model).__name__} has attention layers other than full causal "
+                         f"attention (layer_types={sorted(set(types)) or None}, sliding_window={window}) shorter than "
+                         f"data.max_length={max_length}; regeneration supports full-attention decoders only")
 
 
 @dataclass
-class _State:
+class _Conv:
+    """One conversation being regenerated (``ids`` / ``mask`` grow as turns are written)."""
+
     segments: list[Segment]
-    ids: list[int]        # tokens so far (regenerated)
-    mask: list[bool]
+    ids: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
     next_seg: int = 0
-    done: bool = False
-    past: RowPast | None = None  # KV of ids[:fed]
-    fed: int = 0
+    fed: int = 0                 # tokens of ``ids`` whose keys/values are in the slot
+    pending: list[int] = field(default_factory=list)  # tokens to feed next (ids[fed:])
+    budget: int = 0              # tokens this turn may still generate
+    slot: int = -1
+
+
+class _Regenerator:
+    """Continuous batching over ``slots`` KV-cache slots (:func:`regenerate` describes the schedule)."""
+
+    def __init__(self, model, convs: list[_Conv], eos_ids: set[int], max_new_tokens: int | None, max_length: int,
+                 slots: int, pad_id: int, on_generated, on_done, stats: Counter):
+        self.model, self.convs, self.eos = model, convs, set(int(e) for e in eos_ids)
+        self.max_new, self.max_length, self.pad_id = max_new_tokens, max_length, pad_id
+        self.on_generated, self.on_done, self.stats = on_generated, on_done, stats
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.plan = _Plan(slots)
+        self.plan.arange, self.plan.heads = self.plan.arange.to(self.device), self.plan.heads.to(self.device)
+        self.cache = _slot_cache(self.plan, slots, max_length)
+        self.columns = torch.arange(max_length + 1, device=self.device)
+        self.neg = torch.finfo(self.dtype).min
+        self.slots = slots
+        self.active: list[int] = []  # slot -> conversation index, slots 0..A-1
+
+    # -- turns ----------------------------------------------------------------------------
+    def _start_turn(self, c: _Conv) -> bool:
+        """Queue ``c``'s next assistant turn (its context's unfed tokens); False when it has ended."""
+        if c.next_seg >= len(c.segments) or len(c.ids) >= self.max_length:
+            return False
+        seg = c.segments[c.next_seg]
+        if len(c.ids) + seg.header >= self.max_length:
+            return False
+        c.ids.extend(seg.ids[: seg.header])
+        c.mask.extend([False] * seg.header)
+        room = self.max_length - len(c.ids)
+        c.budget = room if self.max_new is None else min(self.max_new, room)
+        c.pending = c.ids[c.fed:]
+        return True
+
+    def _emit(self, c: _Conv, tok: int) -> bool:
+        """Append a generated token; return False when ``c`` has no further turn."""
+        c.ids.append(tok)
+        c.mask.append(True)
+        c.budget -= 1
+        self.stats["generated_tokens"] += 1
+        if tok in self.eos:
+            self.stats["turns"] += 1
+            seg = c.segments[c.next_seg]
+            footer = seg.ids[seg.header + seg.body:]
+            c.ids.extend(footer)
+            c.mask.extend([False] * len(footer))
+            c.next_seg += 1
+            return self._start_turn(c)
+        if c.budget <= 0:  # cut by prep.max_new_tokens / data.max_length: no end-of-turn, conversation ends
+            self.stats["turns"] += 1
+            self.stats["truncated_turns"] += 1
+            return False
+        c.pending = [tok]
+        return True
+
+    # -- forwards -------------------------------------------------------------------------
+    def _forward(self, slots: list[int] | None) -> torch.Tensor:
+        """Feed the pending tokens of ``slots`` (None = every active slot, one token each).
+
+        Returns the logits after each row's last fed token, [rows, V] in the model's dtype."""
+        dev = self.device
+        if slots is None:
+            convs = [self.convs[k] for k in self.active]
+            fed = torch.tensor([c.fed for c in convs], dtype=torch.long)
+            ids = torch.tensor([c.pending[0] for c in convs], dtype=torch.long)[:, None]
+            pos = fed[:, None]
+            self.plan.rows, self.plan.cols = None, fed.to(dev)
+        else:
+            convs = [self.convs[self.active[s]] for s in slots]
+            N = max(len(c.pending) for c in convs)
+            ids = torch.full((len(convs), N), self.pad_id, dtype=torch.long)
+            pos = torch.zeros((len(convs), N), dtype=torch.long)
+            cols = torch.full((len(convs), N), self.max_length, dtype=torch.long)
+            for j, c in enumerate(convs):
+                n = len(c.pending)
+                ids[j, N - n:] = torch.as_tensor(c.pending, dtype=torch.long)
+                pos[j, N - n:] = torch.arange(c.fed, c.fed + n)
+                cols[j, N - n:] = pos[j, N - n:]
+            self.plan.rows, self.plan.cols = torch.as_tensor(slots, dtype=torch.long, device=dev), cols.to(dev)
+        hi = max(c.fed + len(c.pending) for c in convs)
+        self.plan.hi = hi
+        pos = pos.to(dev)
+        # query at position q sees columns 0..q (its row's own past, left-aligned); padding queries see column 0
+        allowed = self.columns[None, None, :hi] <= pos[:, :, None]
+        if getattr(self.model.config, "_attn_implementation", None) == "sdpa":
+            mask = allowed[:, None]  # boolean: True = attend
+        else:  # additive, as eager attention expects
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(~allowed, self.neg)[:, None]
+        out = self.model(input_ids=ids.to(dev), attention_mask=mask, position_ids=pos, cache=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        for c in convs:
+            c.fed += len(c.pending)
+            c.pending = []
+        return out.logits[:, -1]
+
+    def _done(self, n: int) -> None:
+        if self.on_done is not None:
+            self.on_done(n)
+
+    # -- schedule -------------------------------------------------------------------------
+    def run(self, order: Sequence[int]) -> None:
+        queue = list(reversed(order))  # pop() takes the next conversation
+
+        def admit() -> int | None:
+            while queue:
+                k = queue.pop()
+                if self._start_turn(self.convs[k]):
+                    return k
+                self._done(1)  # no turn fits within max_length
+            return None
+
+        while len(self.active) < self.slots:
+            k = admit()
+            if k is None:
+                break
+            self.active.append(k)
+        while self.active:
+            while True:  # prefill every slot with more than one pending token (new turns, new conversations)
+                multi = [s for s, k in enumerate(self.active) if len(self.convs[k].pending) > 1]
+                if not multi:
+                    break
+                self._step(multi, self._forward(multi).argmax(-1).tolist(), admit)
+            if self.active:
+                self._step(list(range(len(self.active))), self._forward(None).argmax(-1).tolist(), admit)
+
+    def _step(self, slots: list[int], tokens: list[int], admit) -> None:
+        free = []
+        for s, tok in zip(slots, tokens):
+            if not self._emit(self.convs[self.active[s]], tok):
+                free.append(s)
+        if self.on_generated is not None:
+            self.on_generated(len(tokens))
+        if free:
+            self._done(len(free))
+        for s in free:  # a finished conversation's slot takes the next one from the queue (from column 0)
+            k = admit()
+            if k is not None:
+                self.active[s] = k
+                self.convs[k].fed = 0
+            else:
+                self.active[s] = -1
+        if any(k < 0 for k in self.active):  # nothing left to admit: keep the busy slots at 0..A-1
+            layers = self.cache.layers
+            busy = [k for k in self.active if k >= 0]
+            for s in range(len(busy)):
+                if self.active[s] < 0:
+                    src = max(i for i, k in enumerate(self.active) if k >= 0)
+                    k = self.active[src]
+                    for layer in layers:
+                        layer.move(s, src, self.convs[k].fed)
+                    self.active[s], self.active[src] = k, -1
+            self.active = self.active[: len(busy)]
+
+
+@contextmanager
+def _fast_attention(model):
+    """Run regeneration on ``sdpa`` when the base was loaded with ``eager`` (restored after).
+
+    Eager attention copies each key/value head per query group (``repeat_kv``) at every step;
+    ``sdpa``'s single-query path groups the queries instead (docs/data_prep.md).  Any other
+    implementation is kept."""
+    old = getattr(model.config, "_attn_implementation", None)
+    switch = old == "eager" and getattr(model, "_supports_sdpa", False) and hasattr(model, "set_attn_implementation")
+    if switch:
+        model.set_attn_implementation("sdpa")
+        switch = model.config._attn_implementation == "sdpa"
+    try:
+        yield
+    finally:
+        if switch:
+            model.set_attn_implementation(old)
 
 
 @torch.inference_mode()
 def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids: set[int], max_new_tokens: int | None,
-               max_length: int, batch_size: int = 16, on_generated=None, stats: Counter | None = None
-               ) -> list[tuple[list[int], list[bool]]]:
+               max_length: int, batch_size: int = 16, on_generated=None, stats: Counter | None = None,
+               on_done=None) -> list[tuple[list[int], list[bool]]]:
     """Greedily regenerate every assistant turn with the base model (``labels=regenerate``).
 
-    Turns are processed in order; at each assistant turn all conversations that reach it are
-    batched (sorted by context length) through :func:`greedy_generate`, which continues each
-    conversation from the KV cache kept since its previous turn (only the new tokens — the
-    last reply's end-of-turn, the template's footer, the next user turn and header — are
-    prefilled).  The generated body replaces the original one, up to and including the first
-    end-of-turn token; the template's header and footer tokens and the user turns are kept.
+    Each conversation's turns are written in order: the generated body replaces the original
+    one, up to and including the first end-of-turn token; the template's header and footer
+    tokens and the user turns are kept.  Each row's tokens equal batch-1 greedy decoding of its
+    context (argmax of the logits, first maximum on ties) up to floating-point rounding: exact
+    in float32 on the tests' model; in bfloat16 a near-tie may differ from batch 1
+    (``benchmarks/bench_regen.py --agree-turns`` measures the share that agrees).
+
+    Schedule (continuous batching): ``batch_size`` KV-cache slots, each holding one
+    conversation's keys/values left-aligned (a row's token at position p in column p, its own
+    positions, every other column masked out), so a conversation's next turn appends its new
+    tokens (the last reply's end-of-turn, the footer, the next user turn and the generation
+    prompt) in place, with no copy.  A slot whose conversation ends takes the next one from the
+    queue at once, so the batch stays full until the queue is empty; then the remaining rows are
+    packed into the first slots (one row copy each) so every decode step reads plain views.
+    New tokens are prefilled in one left-padded forward of the slots that need it; every other
+    step is one token per slot.  The queue holds the conversations longest original replies
+    first (ties by index), so the long ones do not run alone at the end.  Attention spans the
+    longest active row, so rows of very different lengths share a step's attention width only.
 
     Budget: a turn may generate up to ``max_new_tokens`` tokens (``None`` = full length: up to
-    ``max_length`` minus its context).  A turn cut by the budget is counted in
-    ``stats["truncated_turns"]``, keeps its tokens without an end-of-turn it did not generate,
-    and ends its conversation (later turns would follow a cut response); so does reaching
-    ``max_length`` tokens.
+    ``max_length`` minus its context).  A turn cut by the budget keeps its tokens without an
+    end-of-turn it did not generate and ends its conversation (later turns would follow a cut
+    response); so does reaching ``max_length`` tokens.
+
+    Attention runs on ``sdpa`` for the duration when the base was loaded with ``eager``
+    (:func:`_fast_attention`).
+
+    Memory: the slot cache holds ``2 × layers × batch_size × H_kv × (max_length + 1) × D``
+    values in the model's dtype (SmolLM2-135M, fp32, 64 slots, 512 tokens: 1.5 GB).
 
     Args:
-        model, tokenizer: the frozen base and its tokenizer.
+        model, tokenizer: the frozen base (any dtype; a full-attention HF decoder whose attention
+            calls ``cache.update``) and its tokenizer.
         conversations: per record, its template segments (:func:`data_prep.template.segment_records`).
         eos_ids: end-of-turn ids (generation stops at any of them).
         max_new_tokens: generation budget per assistant turn, or ``None`` (full length).
         max_length: token budget per conversation.
-        batch_size: conversations per :func:`greedy_generate` call.
-        on_generated: optional callback ``f(n_tokens)`` after every decoding step (progress in tokens).
-        stats: optional counter; ``truncated_turns`` and ``generated_tokens`` are added.
+        batch_size: KV-cache slots (rows per decode step).
+        on_generated: optional callback ``f(n_tokens)`` after every forward (tokens emitted by it).
+        on_done: optional callback ``f(n_conversations)`` when conversations end (all of them, in
+            schedule order); an exception raised by either callback stops the regeneration.
+        stats: optional counter; ``generated_tokens``, ``turns`` (regenerated replies) and
+            ``truncated_turns`` (replies cut by the budget) are added.
 
     Returns:
-        per conversation ``(input_ids, loss_mask)`` of the regenerated conversation, truncated
-        to ``max_length``; the mask is True on generated tokens.
+        per conversation ``(input_ids, loss_mask)`` of the regenerated conversation, at most
+        ``max_length`` tokens; the mask is True on generated tokens.
+
+    Raises:
+        ValueError: the model has sliding-window layers narrower than ``max_length``.
     """
+    _check_full_attention(model, max_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     stats = stats if stats is not None else Counter()
-    states = [_State(segs, [], []) for segs in conversations]
-    while True:
-        pending = []
-        for k, st in enumerate(states):
-            if st.next_seg >= len(st.segments) or len(st.ids) >= max_length:
-                st.done, st.past = True, None
-            if not st.done:
-                seg = st.segments[st.next_seg]
-                if len(st.ids) + seg.header >= max_length:
-                    st.done, st.past = True, None
-                else:
-                    pending.append(k)
-        if not pending:
-            break
-        pending.sort(key=lambda k: len(states[k].ids) + states[k].segments[states[k].next_seg].header)
-        for b in range(0, len(pending), batch_size):
-            group = pending[b: b + batch_size]
-            contexts = [states[k].ids + states[k].segments[states[k].next_seg].ids[: states[k].segments[states[k].next_seg].header]
-                        for k in group]
-            budgets = [max_length - len(c) if max_new_tokens is None else min(max_new_tokens, max_length - len(c))
-                       for c in contexts]
-            gen, pasts = greedy_generate(model, [c[states[k].fed:] for k, c in zip(group, contexts)], pad_id, eos_ids,
-                                         budgets, past=[states[k].past for k in group], keep_past=True,
-                                         on_tokens=on_generated)
-            stats["generated_tokens"] += sum(len(g) for g in gen)
-            for k, c, g, past in zip(group, contexts, gen, pasts):
-                st = states[k]
-                seg = st.segments[st.next_seg]
-                finished = bool(g) and g[-1] in eos_ids
-                st.mask.extend([False] * (len(c) - len(st.ids)) + [True] * len(g))
-                st.ids = c + g
-                st.past, st.fed = past, len(st.ids) - 1
-                if finished:
-                    footer = seg.ids[seg.header + seg.body:]
-                    st.ids.extend(footer)
-                    st.mask.extend([False] * len(footer))
-                    st.next_seg += 1
-                else:
-                    stats["truncated_turns"] += 1
-                    st.done, st.past = True, None
-    return [(st.ids[:max_length], st.mask[:max_length]) for st in states]
+    convs = [_Conv(list(segs)) for segs in conversations]
+    if convs:
+        order = sorted(range(len(convs)), key=lambda k: (-sum(s.body for s in convs[k].segments), k))
+        engine = _Regenerator(model, convs, eos_ids, max_new_tokens, max_length, max(1, min(batch_size, len(convs))),
+                              pad_id, on_generated, on_done, stats)
+        with _fast_attention(model):
+            engine.run(order)
+    return [(c.ids[:max_length], c.mask[:max_length]) for c in convs]

@@ -48,46 +48,72 @@ def _eos_ids_before_model(model_cfg, tokenizer) -> set[int]:
 
 
 class _Progress:
-    """tqdm bar over the shards' tokens (total: templated lengths, an estimate under regeneration),
-    with conversations and regenerated tokens in the postfix (disabled when ``enabled`` is False).
+    """tqdm bar over this rank's shards (disabled when ``enabled`` is False); shards already on
+    disk count as done from the start (``initial``), so the rate and ETA cover this run's work.
 
-    Regenerated tokens advance the bar as they are produced, so it moves during a long
-    regeneration; the teacher-forced forward then advances it by the tokens not yet counted."""
+    * ``teacher_forced``: unit tokens (the templated tokens of each shard's conversations),
+      advanced by each forward batch; conversations in the postfix.
+    * ``regenerate``: unit conversations, advanced as each conversation's regeneration ends
+      (generation is nearly all the time, so the rate in conversations gives a readable ETA);
+      the postfix shows the tokens regenerated, their rate, and the replies cut so far."""
 
-    def __init__(self, total: int, enabled: bool, rank: int):
+    def __init__(self, total: int, initial: int, regenerate: bool, enabled: bool, rank: int):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"data prep [rank {rank}]", disable=not enabled,
-                        file=sys.stderr, dynamic_ncols=True)
+        self.regen = regenerate
+        self.bar = tqdm(total=total, initial=initial, unit="conv" if regenerate else "tok", unit_scale=not regenerate,
+                        desc=f"data prep [rank {rank}]", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
         self.conversations = 0
-        self.pending_gen = 0
-        self.tokens = 0
         self.gen_tokens = 0
+        self.turns = Counter()           # regenerated replies of finished shards: turns, truncated_turns
+        self.live: Counter | None = None  # the running shard's regeneration counter
         self.t0 = time.perf_counter()
+        self.last = 0.0
 
-    def _postfix(self) -> None:
-        dt = max(time.perf_counter() - self.t0, 1e-9)
-        text = f"{self.conversations:,} conv"
-        if self.gen_tokens:
-            text += f", regenerated {self.gen_tokens:,} tok ({self.gen_tokens / dt:,.1f} tok/s)"
+    def _postfix(self, force: bool = True) -> None:
+        now = time.perf_counter()
+        if not force and now - self.last < 0.5:  # every decode step calls in: redraw at most twice a second
+            return
+        self.last = now
+        dt = max(now - self.t0, 1e-9)
+        if self.regen:
+            turns = self.turns + (self.live or Counter())
+            text = f"regenerated {self.gen_tokens:,} tok ({self.gen_tokens / dt:,.1f} tok/s)"
+            if turns["turns"]:
+                text += (f", cut {turns['truncated_turns']:,}/{turns['turns']:,} replies "
+                         f"({100 * turns['truncated_turns'] / turns['turns']:.0f}%)")
+        else:
+            text = f"{self.conversations:,} conv"
         self.bar.set_postfix_str(text)
+
+    def shard_stats(self) -> Counter:
+        """A counter for the next shard's :func:`data_prep.labels.regenerate` (read live by the postfix)."""
+        if self.live is not None:
+            self.turns.update({k: self.live[k] for k in ("turns", "truncated_turns")})
+        self.live = Counter()
+        return self.live
 
     def generated(self, tokens: int) -> None:
         self.gen_tokens += tokens
-        self.pending_gen += tokens
+        self._postfix(force=False)
+
+    def regenerated(self, conversations: int) -> None:
+        """``conversations`` finished their regeneration."""
         self._postfix()
-        self.bar.update(tokens)
+        self.bar.update(conversations)
 
     def update(self, conversations: int, tokens: int) -> None:
-        """``conversations`` finished holding ``tokens`` templated tokens (part may have been shown as generated)."""
+        """``conversations`` holding ``tokens`` tokens have their features (teacher-forced bar: advances)."""
         self.conversations += conversations
-        step = max(tokens - self.pending_gen, 0)
-        self.pending_gen = max(self.pending_gen - tokens, 0)
-        self.tokens += tokens
-        self._postfix()
-        self.bar.update(step)
+        if not self.regen:
+            self._postfix()
+            self.bar.update(tokens)
 
     def close(self) -> None:
+        if self.live is not None:
+            self.shard_stats()
+            self.live = None
+        self._postfix()
         self.bar.close()
 
 
@@ -160,18 +186,20 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         ``no_assistant_tokens`` (every assistant token fell beyond ``max_length``), the finite-value
         guard's reasons (:func:`non_finite_reason`: a non-finite hidden state or label, or a state
         the storage dtype ``storage`` cannot hold; the conversation is dropped) and, for
-        ``regenerate``, ``regen_truncated_turns`` (turns cut by the budget, left without an
-        end-of-turn).  ``examples`` (optional dict) receives the first dropped conversation per
-        guard reason: ``{reason: {"id", "layer", "position", "value"}}``.
+        ``regenerate``, ``regen_turns`` (replies regenerated) and ``regen_truncated_turns`` (replies
+        cut by the budget, left without an end-of-turn), both counted as generated, before the
+        guard drops a conversation.  ``examples`` (optional dict) receives the
+        first dropped conversation per guard reason: ``{reason: {"id", "layer", "position", "value"}}``.
     """
     eos = end_of_turn_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     counts: Counter = Counter()
     if labels_mode == "regenerate":
-        stats: Counter = Counter()
+        stats: Counter = progress.shard_stats() if progress is not None else Counter()
         seqs = regenerate(model, tokenizer, [c.segments for c in convs], eos, max_new_tokens, max_length,
                           gen_batch_size, on_generated=progress.generated if progress is not None else None,
-                          stats=stats)
+                          on_done=progress.regenerated if progress is not None else None, stats=stats)
+        counts["regen_turns"] += stats["turns"]
         if stats["truncated_turns"]:
             counts["regen_truncated_turns"] += stats["truncated_turns"]
     elif labels_mode == "teacher_forced":
@@ -329,14 +357,20 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
             if index % world == rank:
                 todo.append((split, k, convs[k * S:(k + 1) * S]))
             index += 1
-    progress = _Progress(sum(sum(len(s.ids) for s in c.segments) for _, _, cs in todo for c in cs),
-                         bool(cfg.prep.progress), rank)
+
+    def size(convs) -> int:  # what a shard adds to the bar: conversations (regenerate) or templated tokens
+        return len(convs) if regen else sum(sum(len(s.ids) for s in c.segments) for c in convs)
+
+    regen = str(cfg.labels) == "regenerate"
+    finished = [cache_mod.finished_entry(root / split, k, chash) is not None for split, k, _ in todo]
+    progress = _Progress(sum(size(cs) for _, _, cs in todo), sum(size(cs) for (_, _, cs), f in zip(todo, finished) if f),
+                         regen, bool(cfg.prep.progress), rank)
     try:
-        for split, k, convs in todo:
+        for (split, k, convs), done in zip(todo, finished):
             directory = root / split
             directory.mkdir(parents=True, exist_ok=True)
-            if cache_mod.finished_entry(directory, k, chash) is not None:
-                progress.update(len(convs), sum(sum(len(s.ids) for s in c.segments) for c in convs))
+            if done:
+                progress.update(len(convs), 0)
                 continue
             examples: dict = {}
             records, dropped = build_records(
@@ -395,7 +429,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
 def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str, Any]:
     complete = all(m is not None for m in manifests.values())
     dropped = Counter(data.stats.dropped)
-    truncated = 0
+    truncated = turns = 0
     totals = {"conversations": 0, "tokens": 0, "assistant_tokens": 0, "bytes": 0}
     per_split = {}
     examples = dict(data.stats.examples)
@@ -408,6 +442,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
                 examples.setdefault(reason, {"id": ex["id"], "message": f"{ex['value']} at layer {ex['layer']}, "
                                                                         f"position {ex['position']}"})
         truncated += dropped.pop("regen_truncated_turns", 0)
+        turns += dropped.pop("regen_turns", 0)
         per_split[split] = {"conversations": m["num_records"], "tokens": m["num_tokens"],
                             "assistant_tokens": m["num_assistant_tokens"], "bytes": m["bytes"]}
         totals["conversations"] += m["num_records"]
@@ -426,6 +461,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         "fixed": dict(sorted(data.stats.fixed.items())),
         "fix_examples": dict(sorted(data.stats.fix_examples.items())),
         "regen_truncated_turns": truncated,
+        "regen_turns": turns,
         "replaced_bytes": data.stats.replaced_bytes,
         "replaced_records": data.stats.replaced_records,
         "unparsed_bytes": data.stats.unparsed_bytes if data.stats.finished else None,
@@ -450,7 +486,11 @@ def format_summary(s: dict[str, Any]) -> str:
         f"bytes on disk: {s['bytes']:,}   bytes per token: {s['bytes_per_token']:.1f}"
         if s["bytes_per_token"] else f"bytes on disk: {s['bytes']:,}",
     ]
-    if s.get("regen_truncated_turns"):
+    if s.get("regen_turns"):
+        lines.append(f"regenerated replies: {s['regen_turns']:,}, cut by prep.max_new_tokens / data.max_length "
+                     f"(no end-of-turn): {s['regen_truncated_turns']:,} "
+                     f"({100 * s['regen_truncated_turns'] / s['regen_turns']:.1f}%)")
+    elif s.get("regen_truncated_turns"):  # a cache written before replies were counted
         lines.append(f"regenerated turns cut by prep.max_new_tokens / data.max_length (no end-of-turn): "
                      f"{s['regen_truncated_turns']:,}")
     if s.get("replaced_bytes"):

@@ -1,0 +1,403 @@
+"""labels=regenerate on the tiny Llama (fp32): continuous batching equals batch-1 greedy decoding,
+its cached logits equal a fresh forward, a regeneration killed mid-shard resumes to the same bytes,
+and the summary / progress bar state the replies cut."""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.config import compose
+from data_prep import labels as labels_mod
+from data_prep import pipeline
+from data_prep.cache import CacheReader, default_cache_dir
+from data_prep.labels import regenerate
+from data_prep.template import end_of_turn_ids, segment_conversation
+
+WORDS = ["The quick brown fox", "jumps over the lazy dog.", "Hello! How can I help you today?",
+         "Please write a short poem about the sea.", "def add(a, b):", "return a + b", "1 2 3 4 5",
+         "Speculative decoding drafts several tokens", "and verifies them in one forward pass."]
+
+
+def _conversations(n: int) -> list[dict]:
+    """Conversations of 1-3 turns whose prompts have very different lengths."""
+    out = []
+    for i in range(n):
+        turns = []
+        for j in range(1 + i % 3):
+            turns.append({"from": "human", "value": " ".join(WORDS[(i + j + k) % len(WORDS)] for k in range(1 + (i * 5) % 4))})
+            turns.append({"from": "gpt", "value": " ".join(WORDS[(2 * i + j + k) % len(WORDS)] for k in range(1 + (i + j) % 4))})
+        out.append({"id": f"conv-{i}", "conversations": turns})
+    return out
+
+
+@pytest.fixture(scope="module")
+def varied_dir(tmp_path_factory) -> Path:
+    """A tiny Llama with initializer_range=0.3: varied greedy replies (the default init repeats one token)."""
+    from core.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_varied"), seed=0, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def varied(varied_dir):
+    """``(model, tokenizer, identity)`` of :func:`varied_dir`, fp32, eager (as configs/model/smollm2.yaml)."""
+    from core.base_model import load_base_model
+
+    return load_base_model({"path": str(varied_dir), "dtype": "float32", "attn_implementation": "eager"})
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("sharegpt") / "data.json"
+    path.write_text(json.dumps(_conversations(14)))
+    return path
+
+
+def _messages(data_file, n):
+    from data_prep.sharegpt import iter_conversations
+
+    return list(iter_conversations(data_file))[:n]
+
+
+def _segments(tok, convs, eos, max_length):
+    """Template segments of the conversations whose first reply starts within ``max_length``."""
+    from data_prep.template import TemplateError
+
+    out = []
+    for c in convs:
+        try:
+            out.append(segment_conversation(tok, c.messages, c.id, eos, max_length))
+        except TemplateError:
+            pass
+    return out
+
+
+def _eos_emitted(model, tok, convs, max_length):
+    """The tiny random model almost never emits <|im_end|>; add a token it does emit as an
+    end-of-turn id (never as a reply's first token, mostly a few tokens in), so turns end at
+    different steps and conversations go on to later turns."""
+    eos = end_of_turn_ids(tok, model)
+    segs = _segments(tok, convs, eos, max_length)
+    out = regenerate(model, tok, segs, eos, 12, max_length, batch_size=4)
+    replies = [[t for t, m in zip(ids, mask) if m] for ids, mask in out]
+    firsts = {r[0] for r in replies if r}
+    score = Counter()
+    for r in replies:
+        for t in set(r) - firsts:
+            if 2 <= r.index(t) < 10:
+                score[t] += 1
+    return eos | {min(score, key=lambda t: (-score[t], t))}
+
+
+def _batch1_greedy(model, segments, eos, max_new_tokens, max_length):
+    """Reference: HF ``generate`` at batch 1 (greedy, its own KV cache), one turn at a time."""
+    ids, mask = [], []
+    for seg in segments:
+        prompt = ids + seg.ids[: seg.header]
+        if len(ids) >= max_length or len(prompt) >= max_length:
+            break
+        budget = max_length - len(prompt) if max_new_tokens is None else min(max_new_tokens, max_length - len(prompt))
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=budget, eos_token_id=sorted(eos), pad_token_id=2,
+                             top_k=None, top_p=None, temperature=None)[0, len(prompt):].tolist()
+        body = []
+        for t in out:
+            body.append(t)
+            if t in eos:
+                break
+        ids, mask = prompt + body, mask + [False] * seg.header + [True] * len(body)
+        if body[-1] not in eos:
+            break
+        footer = seg.ids[seg.header + seg.body:]
+        ids, mask = ids + footer, mask + [False] * len(footer)
+    return ids[:max_length], mask[:max_length]
+
+
+class _Spy:
+    """Records the schedule of one regenerate call: each forward's rows, pending lengths, and slot moves."""
+
+    def __init__(self, monkeypatch):
+        self.forwards, self.moves = [], 0
+        real = labels_mod._Regenerator._forward
+        spy = self
+
+        def forward(engine, slots):
+            rows = list(range(len(engine.active))) if slots is None else list(slots)
+            spy.forwards.append({"decode": slots is None, "rows": rows, "active": len(engine.active),
+                                 "convs": [engine.active[s] for s in rows],
+                                 "fed": [engine.convs[engine.active[s]].fed for s in rows],
+                                 "pending": [len(engine.convs[engine.active[s]].pending) for s in rows]})
+            return real(engine, slots)
+
+        monkeypatch.setattr(labels_mod._Regenerator, "_forward", forward)
+        real_run = labels_mod._Regenerator.run
+
+        def run(engine, order):
+            layer_cls = labels_mod._slot_layer_class()
+            real_move = layer_cls.move
+
+            def move(layer, dst, src, n):
+                spy.moves += 1
+                return real_move(layer, dst, src, n)
+
+            monkeypatch.setattr(layer_cls, "move", move)
+            try:
+                return real_run(engine, order)
+            finally:
+                monkeypatch.setattr(layer_cls, "move", real_move)
+
+        monkeypatch.setattr(labels_mod._Regenerator, "run", run)
+
+
+@pytest.mark.parametrize("max_new_tokens", [10, None])
+def test_continuous_batching_equals_batch_1_greedy(varied, data_file, monkeypatch, max_new_tokens):
+    model, tok, _ = varied
+    max_length = 160 if max_new_tokens else 112  # full length: every turn runs on to max_length or eos
+    convs = _messages(data_file, 10)
+    eos = _eos_emitted(model, tok, convs, max_length)
+    segs = _segments(tok, convs, eos, max_length)
+    want = [_batch1_greedy(model, s, eos, max_new_tokens, max_length) for s in segs]
+    # every conversation in its own slot from the start: rows finish in any order, and the busy
+    # rows are packed into the first slots (moved) as others end
+    packed = _Spy(monkeypatch)
+    assert regenerate(model, tok, segs, eos, max_new_tokens, max_length, batch_size=len(segs)) == want
+    assert packed.moves > 0
+    spy = _Spy(monkeypatch)
+    stats = Counter()
+    got = regenerate(model, tok, segs, eos, max_new_tokens, max_length, batch_size=3, stats=stats)
+    assert got == want
+    # the schedule exercised what it claims: 3 slots for 10 conversations, so conversations were
+    # admitted into freed slots while the other rows were mid-reply (refills), prefills were
+    # left-padded (different pending lengths in one forward) over rows of different lengths,
+    # a conversation's next turn was prefilled on top of its own cached turns, rows finished at
+    # different steps
+    started = {}
+    for f in spy.forwards:
+        for c, fed in zip(f["convs"], f["fed"]):
+            started.setdefault(c, fed)
+    assert len(started) == len(segs) and all(fed == 0 for fed in started.values())
+    refills = [f for f in spy.forwards if not f["decode"] and 0 in f["fed"] and f["active"] == 3 and len(f["rows"]) < 3]
+    assert refills, "no conversation joined a running batch"
+    assert any(len(set(f["pending"])) > 1 for f in spy.forwards if not f["decode"]) or \
+        any(len(set(f["fed"])) > 1 for f in spy.forwards if f["decode"])
+    assert any(not f["decode"] and any(fed > 0 for fed in f["fed"]) for f in spy.forwards), "no turn continued in place"
+    assert any(len(set(f["fed"])) > 1 for f in spy.forwards if f["decode"])
+    assert stats["turns"] == sum(sum(1 for a, b in zip([False] + m, m) if b and not a) for _, m in got)
+    assert any(sum(1 for a, b in zip(m, m[1:]) if b and not a) > 1 for _, m in got)  # some multi-turn
+    assert stats["truncated_turns"] == sum(1 for ids, m in got if m and m[-1] and ids[-1] not in eos)
+    assert stats["generated_tokens"] == sum(sum(m) for _, m in got)
+
+
+def test_batch_size_does_not_change_fp32_tokens(varied, data_file):
+    model, tok, _ = varied
+    convs = _messages(data_file, 9)
+    eos = _eos_emitted(model, tok, convs, 96)
+    segs = _segments(tok, convs, eos, 96)
+    one = regenerate(model, tok, segs, eos, 8, 96, batch_size=1)
+    assert regenerate(model, tok, segs, eos, 8, 96, batch_size=4) == one
+    assert regenerate(model, tok, segs, eos, 8, 96, batch_size=64) == one
+
+
+def test_every_forward_of_the_slot_cache_equals_a_fresh_forward(varied, data_file, monkeypatch):
+    """The logits after each row's fed tokens (left-padded prefills, refilled slots, turns appended
+    in place, rows moved between slots) equal a full forward of that row's tokens so far."""
+    model, tok, _ = varied
+    convs = _messages(data_file, 7)
+    eos = _eos_emitted(model, tok, convs, 96)
+    segs = _segments(tok, convs, eos, 96)
+    real = labels_mod._Regenerator._forward
+    checked = [0]
+
+    def forward(engine, slots):
+        rows = list(range(len(engine.active))) if slots is None else list(slots)
+        contexts = [list(engine.convs[engine.active[s]].ids[: engine.convs[engine.active[s]].fed])
+                    + list(engine.convs[engine.active[s]].pending) for s in rows]
+        logits = real(engine, slots)
+        with torch.no_grad():
+            for ctx, got in zip(contexts, logits):
+                ref = model(torch.tensor([ctx])).logits[0, -1]
+                torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+                checked[0] += 1
+        return logits
+
+    monkeypatch.setattr(labels_mod._Regenerator, "_forward", forward)
+    regenerate(model, tok, segs, eos, 6, 96, batch_size=3)
+    assert checked[0] > 30
+
+
+def test_sliding_window_narrower_than_max_length_is_refused(varied):
+    model, tok, _ = varied
+    old = (getattr(model.config, "sliding_window", None), getattr(model.config, "layer_types", None))
+    try:
+        model.config.sliding_window = 16
+        model.config.layer_types = ["sliding_attention"] * model.config.num_hidden_layers
+        with pytest.raises(ValueError, match="sliding_window=16"):
+            regenerate(model, tok, [], {2}, 4, 96)
+    finally:
+        model.config.sliding_window, model.config.layer_types = old
+
+
+def test_attention_implementation_is_restored(varied, data_file):
+    model, tok, _ = varied
+    assert model.config._attn_implementation == "eager"
+    convs = _messages(data_file, 2)
+    eos = end_of_turn_ids(tok, model)
+    segs = _segments(tok, convs, eos, 96)
+    seen = []
+    regenerate(model, tok, segs, eos, 2, 96, on_generated=lambda n: seen.append(model.config._attn_implementation))
+    assert seen and set(seen) == {"sdpa"} and model.config._attn_implementation == "eager"
+
+
+# -- pipeline: resume, summary, progress ------------------------------------------------------
+
+def _cfg(model_dir, data_file, out_dir, *extra):
+    return compose([f"model.path={model_dir}", "model.dtype=float32", "model.attn_implementation=eager",
+                    f"data.path={data_file}", "data.max_conversations=null", "data.heldout_fraction=0.25",
+                    "data.max_length=96", "prep.shard_size=3", "prep.batch_tokens=200", "prep.progress=false",
+                    "prep.gen_batch_size=2", "prep.max_new_tokens=12", "labels=regenerate",
+                    f"output_root={out_dir}", *extra])
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.startswith(".") and p.name != "config.yaml"}  # it names output_root
+
+
+def test_regeneration_killed_mid_shard_resumes_to_identical_bytes(varied, varied_dir, data_file, tmp_path,
+                                                                   monkeypatch):
+    model, tok, ident = varied
+    whole = _cfg(varied_dir, data_file, tmp_path / "whole")
+    pipeline.prepare(whole, model, tok, ident, rank=0, world=1, out=None)
+    want = _digests(default_cache_dir(whole))
+    assert sum(1 for k in want if k.endswith(".safetensors") and "shard" in k) >= 4
+
+    cut = _cfg(varied_dir, data_file, tmp_path / "cut")
+    root = default_cache_dir(cut)
+    real = pipeline._Progress.generated
+    calls = {"n": 0, "at_kill": None}
+
+    class Killed(Exception):
+        pass
+
+    def generated(self, tokens):
+        real(self, tokens)
+        calls["n"] += 1
+        shards = sorted(root.rglob("shard-*.safetensors"))
+        if len(shards) >= 2 and calls["at_kill"] is None and self.live and self.live["generated_tokens"] > 4:
+            calls["at_kill"] = [str(p.relative_to(root)) for p in shards]
+            raise Killed  # mid-batch: the running shard has generated tokens, none of them written
+
+    monkeypatch.setattr(pipeline._Progress, "generated", generated)
+    with pytest.raises(Killed):
+        pipeline.prepare(cut, model, tok, ident, rank=0, world=1, out=None)
+    on_disk = sorted(str(p.relative_to(root)) for p in root.rglob("shard-*.safetensors"))
+    assert on_disk == calls["at_kill"] and not (root / "summary.json").exists()
+    assert not any(p.name.endswith(".tmp") or ".tmp" in p.name for p in root.rglob("*"))
+    kept = {k: v for k, v in _digests(root).items() if k in on_disk}
+    assert kept == {k: want[k] for k in on_disk}  # what was written before the kill is already final
+
+    monkeypatch.setattr(pipeline._Progress, "generated", real)
+    regenerated = []
+    real_build = pipeline.build_records
+
+    def build(*args, **kwargs):
+        regenerated.append(len(args[2]))
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "build_records", build)
+    summary = pipeline.prepare(cut, model, tok, ident, rank=0, world=1, out=None)
+    assert summary["complete"]
+    got = _digests(root)
+    assert got == want
+    n_shards = sum(1 for k in want if k.endswith(".safetensors") and "shard" in k)
+    assert len(regenerated) == n_shards - len(on_disk)  # finished shards were not regenerated again
+
+
+def test_summary_states_the_share_of_replies_cut(varied, varied_dir, data_file, tmp_path):
+    model, tok, ident = varied
+    cfg = _cfg(varied_dir, data_file, tmp_path, "prep.max_new_tokens=6")
+    summary = pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
+    eos = end_of_turn_ids(tok, model)
+    turns = cut = 0
+    for split in ("train", "val"):
+        reader = CacheReader(default_cache_dir(cfg) / split)
+        for i in range(len(reader)):
+            r = reader[i]
+            m, ids = r["loss_mask"].tolist(), r["input_ids"].tolist()
+            ends = [t for t in range(len(m)) if m[t] and (t + 1 == len(m) or not m[t + 1])]
+            turns += len(ends)
+            cut += sum(1 for t in ends if ids[t] not in eos)
+    assert summary["regen_turns"] == turns > 0 and summary["regen_truncated_turns"] == cut > 0
+    text = pipeline.format_summary(summary)
+    assert f"regenerated replies: {turns:,}, cut by prep.max_new_tokens / data.max_length" in text
+    assert f"{cut:,} ({100 * cut / turns:.1f}%)" in text
+
+
+def test_regeneration_progress_counts_conversations_with_rate_and_eta(varied, varied_dir, data_file, tmp_path,
+                                                                      capsys):
+    model, tok, ident = varied
+    cfg = _cfg(varied_dir, data_file, tmp_path, "prep.progress=true")
+    summary = pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
+    err = capsys.readouterr().err
+    n = summary["records_read"] - sum(v for k, v in summary["dropped"].items() if k != "no_assistant_tokens")
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert f"{n}/{n}" in last and ("conv/s" in last or "s/conv" in last)
+    assert "tok/s" in last and "cut" in last and "%)" in last
+    # a resumed run starts the bar at the shards already on disk
+    pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
+    err = capsys.readouterr().err
+    assert f"{n}/{n}" in err.replace("\r", "\n").strip().splitlines()[0]
+
+
+def _reply_ends(mask: list[bool]) -> list[int]:
+    """Positions of the last generated token of each reply (the end of each run of True)."""
+    return [t for t in range(len(mask)) if mask[t] and (t + 1 == len(mask) or not mask[t + 1])]
+
+
+def test_finite_value_guard_drops_and_counts_a_regenerated_conversation(varied, varied_dir, data_file, tmp_path,
+                                                                         monkeypatch):
+    """labels=regenerate keeps main's finite-value guard: a conversation whose regenerated features
+    hold a NaN is dropped and counted (non_finite_hidden, with its example), the rest are cached, and
+    regen_turns counts the replies as regenerated (the dropped conversation's included)."""
+    model, tok, ident = varied
+    real_regen, real_ff = pipeline.regenerate, pipeline.forward_features
+    outputs: dict[tuple, list[bool]] = {}
+    poisoned: list[tuple] = []
+
+    def regen(*args, **kwargs):
+        out = real_regen(*args, **kwargs)
+        outputs.update({tuple(ids): list(mask) for ids, mask in out})
+        return out
+
+    def ff(model_, seqs, pad_id, layers, **kw):
+        out = real_ff(model_, seqs, pad_id, layers, **kw)
+        if not poisoned:
+            poisoned.append(tuple(seqs[0]))
+            out[0]["hidden"][max(layers)] = out[0]["hidden"][max(layers)].clone()
+            out[0]["hidden"][max(layers)][len(seqs[0]) // 2, 3] = float("nan")
+        return out
+
+    monkeypatch.setattr(pipeline, "regenerate", regen)
+    monkeypatch.setattr(pipeline, "forward_features", ff)
+    cfg = _cfg(varied_dir, data_file, tmp_path)
+    summary = pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
+    assert summary["dropped"].get("non_finite_hidden") == 1
+    assert summary["drop_examples"]["non_finite_hidden"]["message"].startswith("nan at layer")
+    kept, turns = 0, 0
+    for split in ("train", "val"):
+        reader = CacheReader(default_cache_dir(cfg) / split)
+        for i in range(len(reader)):
+            r = reader[i]
+            assert tuple(r["input_ids"].tolist()) != poisoned[0]
+            assert all(torch.isfinite(t).all() for t in (r["hidden"], *r["aux_hidden"].values()))
+            turns += len(_reply_ends(r["loss_mask"].tolist()))
+            kept += 1
+    assert kept == sum(1 for m in outputs.values() if any(m)) - 1
+    assert summary["regen_turns"] == turns + len(_reply_ends(outputs[poisoned[0]])) > turns
+    text = pipeline.format_summary(summary)
+    assert "non_finite_hidden 1" in text and f"regenerated replies: {summary['regen_turns']:,}" in text
