@@ -264,7 +264,13 @@ def test_demo_script_evaluates_the_head_it_trained(tmp_path, extra, root, run):
     from core.config import compose
 
     train_cfg = compose(calls[1][2:])
+    from data_prep.cache import default_cache_dir
     from train.run import run_dir_for
+
+    # one label set for every stage (teacher-forced: the demo's time budget), so training reads the
+    # cache that data prep wrote
+    assert {compose(c[2:]).labels for c in calls[:2]} == {"teacher_forced"}
+    assert default_cache_dir(compose(calls[0][2:])) == default_cache_dir(train_cfg)
 
     run_dir = run_dir_for(train_cfg)
     eval_cfg = compose(rewrite_argv(calls[2][2:]))
