@@ -57,7 +57,8 @@ echo "demo: data prep -> train the CTC head (150 steps) -> lossless evaluation; 
   "on 2 CPU cores, plus set-up and the base model's one-time conversion (docs/demo.md)"
 "$PY" -m data_prep "${DEMO[@]}" "$@"
 "$PY" -m train heads=ctc train.run_name="$RUN" resume=auto \
-  train.max_steps=150 train.val_every_n_steps=50 train.scheduler.warmup_steps=20 train.optimizer.lr=3e-4 "${DEMO[@]}" "$@"
+  train.max_steps=150 train.batch_size=4 train.val_every_n_steps=50 train.scheduler.warmup_steps=20 train.optimizer.lr=3e-4 \
+  "${DEMO[@]}" "$@"
 # A 150-step demo head accepts little, so on a CPU no tree pays for its drafter and eval.tree=auto would size
 # the tree to the smallest one: the demo exists to test the head, so it evaluates at the best 8-node tree that
 # the calibration (4 held-out prompts) finds (eval.tree_nodes=8); the report's `tree` says which and predicts tau.
