@@ -38,7 +38,8 @@ def model_device(base_model) -> torch.device:
 
 @torch.no_grad()
 def base_forward(base_model, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 attention_mask: torch.Tensor | None = None, layers=None,
+                 logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One cached base forward of a single sequence.
 
     Args:
@@ -47,14 +48,18 @@ def base_forward(base_model, input_ids: torch.Tensor, cache, position_ids: torch
         position_ids: LongTensor [1, n] or None (consecutive after the cache).
         attention_mask: None (causal) or a ready 4-D additive mask [1, 1, n, P+n].
         layers: optional hidden-state ids (module docstring).
+        logits_to_keep: 0 = logits at every position; k > 0 = at the last k only (transformers'
+            ``logits_to_keep``: a prefill that needs only its last row skips k = T - 1 rows of the
+            [V, H] LM-head product, 49152 x 576 multiply-adds each for SmolLM2).
 
     Returns:
-        ``(logits [n, V], hidden)`` where hidden is the final post-norm hs[-1] [n, H], or
+        ``(logits [n, V] (or [k, V]), hidden)`` where hidden is the final post-norm hs[-1] [n, H], or
         [hs[ℓ] for ℓ in layers] concatenated [n, len(layers)·H]; both in the model's dtype.
     """
     ids = input_ids.reshape(1, -1).to(model_device(base_model))
     out = base_model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                     use_cache=True, output_hidden_states=True)
+                     use_cache=True, output_hidden_states=True,
+                     **({"logits_to_keep": int(logits_to_keep)} if logits_to_keep else {}))
     if layers:
         return out.logits[0], torch.cat([out.hidden_states[int(l)][0] for l in layers], dim=-1)
     return out.logits[0], out.hidden_states[-1][0]
@@ -79,7 +84,7 @@ def prefill(base_model, prompt_ids: torch.Tensor, layers=None):
     if prompt_ids.numel() == 0:
         raise ValueError("empty prompt: need at least one token")
     cache = new_cache(base_model)
-    logits, hidden = base_forward(base_model, prompt_ids, cache, layers=layers)
+    logits, hidden = base_forward(base_model, prompt_ids, cache, layers=layers, logits_to_keep=1)
     return cache, int(logits[-1].argmax()), hidden
 
 

@@ -20,7 +20,9 @@ def parity_text(report: dict[str, Any]) -> str:
     """``"matched/total"``, or why parity was not checked (sampling)."""
     par = report["parity"]
     if par.get("checked", True):
-        return f"{par['matched']}/{par['total']}"
+        acc = par.get("accounting")  # bf16: exact matches, then how the divergences were accounted for
+        extra = f" exact; {acc['near_ties']} near-tie(s), {acc['real_errors']} real error(s)" if acc else ""
+        return f"{par['matched']}/{par['total']}{extra}"
     return f"not checked ({par['reason']})"
 
 
@@ -108,6 +110,10 @@ def format_summary(report: dict[str, Any]) -> str:
         f"({report['num_prompts']} prompts, max_new_tokens={report['max_new_tokens']}, {report['device']}, {report['dtype']})",
         f"parity: {parity_text(report)}",
     ]
+    from evaluation.divergence import accounting_line
+
+    if accounting_line(report):
+        lines.append(accounting_line(report))
     ds = m.get("decoder_summary") or {}
     if report.get("tau") is not None or not ds:
         lines += [
