@@ -171,6 +171,25 @@ def greedy_accept(tree: DraftTree, predictions: list[int]) -> list[int]:
         node = nxt
 
 
+def depth_first_order(tree: DraftTree) -> torch.Tensor:
+    """The tree's nodes depth-first, children in canonical (rank) order: LongTensor [N], root first.
+
+    Verification feeds the nodes in this order so that the top-ranked path (root, first child,
+    its first child, ...) occupies consecutive cache slots P, P+1, ...: its rows then attend to one
+    contiguous run of keys followed only by masked ones, exactly the keys (in the same columns) a
+    one-token step attends to, so their attention sums in the same order (in bf16 a branching,
+    breadth-first layout interleaves masked siblings with the path and rounds differently;
+    docs/precision_eval.md).  Any order gives the same mathematics: the mask and positions follow
+    the nodes.
+    """
+    out, stack = [], [0]
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(reversed(tree.children(node)))
+    return torch.tensor(out, dtype=torch.long)
+
+
 @torch.no_grad()
 def verify_tree(base_model, cache, tree: DraftTree, layers=None) -> VerifyResult:
     """Verify ``tree`` with one base forward and keep only the accepted path in ``cache``.
@@ -186,13 +205,21 @@ def verify_tree(base_model, cache, tree: DraftTree, layers=None) -> VerifyResult
     """
     device = model_device(base_model)
     past = cache.get_seq_length()
+    # the forward feeds the nodes depth-first (:func:`depth_first_order`); rows are mapped back to node order
+    order = depth_first_order(tree)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel())
     mask = tree.attention_mask(past, dtype=base_model.dtype, device=device)
-    pos = tree.position_ids(past, device=device)
-    logits, hidden = base_forward(base_model, tree.tokens, cache, position_ids=pos, attention_mask=mask, layers=layers)
+    cols = torch.cat([torch.arange(past), past + order]).to(device)
+    mask = mask[:, :, order.to(device)][..., cols]
+    pos = tree.position_ids(past, device=device)[:, order.to(device)]
+    logits, hidden = base_forward(base_model, tree.tokens[order], cache, position_ids=pos, attention_mask=mask,
+                                  layers=layers)
+    logits, hidden = logits.index_select(0, inv.to(logits.device)), hidden.index_select(0, inv.to(hidden.device))
     preds = logits.argmax(-1).tolist()
     accepted = greedy_accept(tree, preds)
     idx = torch.tensor(accepted, dtype=torch.long)
-    keep_cache_positions(cache, past, idx)
+    keep_cache_positions(cache, past, inv[idx])  # cache slot P + k holds node order[k]
     return VerifyResult(
         accepted_nodes=accepted,
         tokens=tree.tokens[idx],
