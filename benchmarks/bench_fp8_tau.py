@@ -23,7 +23,7 @@ Given a bf16 (or fp16 / fp32) data-prep cache, the benchmark
    The diagonal of the matrix is recomputed by this loop and checked equal to the trainer's logged
    validation (same code path, ``heads.<head>.validation_metrics``).
 
-Usage (the README's figures)::
+Usage (the figures in docs/online_fp8.md)::
 
     python benchmarks/bench_fp8_tau.py --cache /work/outputs/cache/real_tf640 \\
         --fp8-cache /work/outputs/fp8_tf640 --head ctc --steps 150

@@ -10,7 +10,8 @@
   file's SHA-256; later loads read that folder;
 * a local Hugging Face folder, or a hub id (for clusters with hub access).
 
-The model is returned frozen: eval mode, ``requires_grad=False``, in ``model.dtype``.
+The model is returned frozen: eval mode, ``requires_grad=False``, in ``model.dtype`` (``auto``:
+bf16 where the CPU's bf16 is native, else fp32, :func:`core.precision.resolve_dtype`).
 ``trust_remote_code`` is passed through from the config and is off by default.
 """
 from __future__ import annotations
@@ -100,14 +101,23 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
 
 @dataclass(frozen=True)
 class BaseIdentity:
-    """What a cache or checkpoint records about the base model it was made with."""
+    """What a cache or checkpoint records about the base model it was made with.
+
+    ``weights_sha256`` is the content identity of the weights (:func:`core.weights_digest.weights_sha256`
+    of the HF folder that is loaded: for a GGUF source, the folder it converts to), so every source
+    of the same weights - the packaged GGUF, its converted folder, a copy of it - has the same one.
+    ``sha256`` is the GGUF file's SHA-256: recorded for a GGUF source and for a folder converted from
+    one (its ``source.json``), null otherwise; caches and heads made before ``weights_sha256``
+    existed carry only this one, and are still compared by it.
+    """
 
     source: str  # the model.path as given (or the packaged GGUF path)
-    sha256: str | None  # of the GGUF file, when the source was one
+    sha256: str | None  # of the GGUF file, when the source was one or the folder was converted from one
     architecture: str
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
+    weights_sha256: str | None = None  # of the stored tensors (core.weights_digest); None: no weight file found
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,7 +125,7 @@ class BaseIdentity:
 
 # Fields of BaseIdentity that identify the base; the shape fields can never differ (the head's and the
 # cache's tensors would not fit), the others only with an explicit override.
-IDENTITY_FIELDS = ("sha256", "architecture", "num_hidden_layers", "vocab_size", "hidden_size")
+IDENTITY_FIELDS = ("weights_sha256", "sha256", "architecture", "num_hidden_layers", "vocab_size", "hidden_size")
 SHAPE_FIELDS = ("vocab_size", "hidden_size")
 
 
@@ -123,9 +133,11 @@ def check_same_base(recorded: dict[str, Any] | None, current: dict[str, Any], wh
                     allow: bool = False) -> list[str]:
     """Compare the base identity a cache or head checkpoint recorded with the loaded base model's.
 
-    A field is compared when both sides record it (``sha256`` is the GGUF file's SHA-256; it is
-    null for a Hugging Face folder or hub id, which are then compared by architecture and shape
-    only).
+    A field is compared when both sides record it: ``weights_sha256`` (the weights' content, any
+    source), ``sha256`` (the GGUF file's, for GGUF sources and folders converted from one; the only
+    content identity of records made before ``weights_sha256``), architecture, layer count and sizes.
+    A record of an HF folder made before ``weights_sha256`` existed has no content identity and is
+    compared by architecture and shape only.
 
     Args:
         recorded: the recorded :meth:`BaseIdentity.to_dict` (a cache manifest's ``base``, a head's
@@ -170,12 +182,38 @@ def resolve_model_dir(model_cfg: Any) -> tuple[str, str, str | None]:
         if not gguf.is_file():
             raise FileNotFoundError(f"model.path={path!r}: GGUF file not found")
     else:
-        return str(path), str(path), None
+        return str(path), str(path), converted_gguf_sha256(path)
     folder = convert_gguf(gguf, cache_dir)
+    return str(folder), str(gguf), converted_gguf_sha256(folder)
+
+
+def converted_gguf_sha256(folder: str | os.PathLike) -> str | None:
+    """The GGUF SHA-256 recorded in ``<folder>/source.json`` by :func:`convert_gguf` (a folder converted
+    from a GGUF file has the GGUF's identity too), else None."""
     import json
 
-    sha = json.loads((folder / "source.json").read_text())["sha256"]
-    return str(folder), str(gguf), sha
+    path = Path(str(folder)) / "source.json"
+    if not path.is_file():
+        return None
+    try:
+        sha = json.loads(path.read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(sha) if sha else None
+
+
+def weights_folder(load_path: str) -> Path | None:
+    """The local folder whose weight files ``from_pretrained(load_path)`` read: ``load_path`` itself,
+    or for a hub id its snapshot in the Hugging Face cache; None when it cannot be found."""
+    if Path(load_path).is_dir():
+        return Path(load_path)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(load_path, "config.json")
+    except Exception:
+        return None
+    return Path(hit).parent if isinstance(hit, str) else None
 
 
 def load_tokenizer(model_cfg: Any):
@@ -205,7 +243,9 @@ def load_base_model(model_cfg: Any):
 
     load_path, source, sha = resolve_model_dir(model_cfg)
     trust = bool(model_cfg.get("trust_remote_code", False))
-    dtype = getattr(torch, model_cfg.get("dtype", "float32"))
+    from core.precision import resolve_dtype, torch_dtype
+
+    dtype = torch_dtype(resolve_dtype(model_cfg.get("dtype", "float32"), "model.dtype", "cpu"))
     kwargs = {}
     if model_cfg.get("attn_implementation"):
         kwargs["attn_implementation"] = model_cfg.get("attn_implementation")
@@ -214,6 +254,12 @@ def load_base_model(model_cfg: Any):
     model.eval()
     model.requires_grad_(False)
     cfg = model.config
+    from core.weights_digest import weights_sha256
+
+    folder = weights_folder(load_path)
+    digest = weights_sha256(folder, Path(model_cfg.get("cache_dir") or default_cache_dir())) if folder else None
+    if digest is None:
+        log.warning("no weight files found for model.path=%r: its identity is its architecture and shape only", source)
     identity = BaseIdentity(
         source=source,
         sha256=sha,
@@ -221,5 +267,6 @@ def load_base_model(model_cfg: Any):
         vocab_size=int(cfg.vocab_size),
         hidden_size=int(cfg.hidden_size),
         num_hidden_layers=int(cfg.num_hidden_layers),
+        weights_sha256=digest,
     )
     return model, tokenizer, identity

@@ -203,12 +203,14 @@ def check_range(cfg: DictConfig, key: str, lo: float | None = None, hi: float | 
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: ``model.dtype`` values: a dtype, or ``auto`` (resolved per stage by :mod:`core.precision`)
+MODEL_DTYPES = ("auto", *DTYPES)
 
 
 @register_validator
 def _core_checks(cfg: DictConfig) -> None:
     if "model" in cfg:
-        check_choice(cfg, "model.dtype", DTYPES)
+        check_choice(cfg, "model.dtype", MODEL_DTYPES)  # auto: resolved per stage (core.precision)
         if OmegaConf.is_missing(cfg.model, "path"):
             raise ConfigError("model.path is required with model=hf: a local Hugging Face folder, a hub id "
                               "or a .gguf file (model=smollm2 uses the packaged SmolLM2)")
@@ -294,13 +296,14 @@ def cli(argv: Sequence[str] | None = None, doc: str | None = None) -> DictConfig
 def run_cli(fn: Callable[[DictConfig], object], argv: Sequence[str] | None = None, doc: str | None = None):
     """Compose the config (:func:`cli`), then run ``fn(cfg)``.
 
-    A missing input file (``FileNotFoundError``) or a :class:`UserInputError` is printed as one
+    A missing input file (``FileNotFoundError``), a :class:`UserInputError` or a :class:`ConfigError`
+    found while running (e.g. ``core.precision`` refusing bf16 on this machine) is printed as one
     ``error:`` line and exits with 2 instead of a traceback; anything else propagates.
     """
     cfg = cli(argv, doc)
     try:
         return fn(cfg)
-    except (FileNotFoundError, UserInputError) as exc:
+    except (FileNotFoundError, UserInputError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 

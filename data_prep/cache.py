@@ -50,7 +50,12 @@ if hasattr(torch, "float8_e4m3fn"):  # prep.dtype=float8_e4m3fn: per-row scales 
 # ----------------------------------------------------------------------------------------------
 def cache_defining_config(cfg) -> dict[str, Any]:
     """The resolved sections that define a cache's content: ``model``, ``data``, ``prep``, ``labels``
-    (minus the runtime-only keys in :data:`RUNTIME_KEYS`)."""
+    (minus the runtime-only keys in :data:`RUNTIME_KEYS`).
+
+    ``model.dtype`` is the base's compute dtype (``data_prep.features``) and enters as the dtype that
+    runs: ``auto`` is resolved for data prep's device, the CPU (:func:`core.precision.resolve_dtype`),
+    so an fp32 and a bf16 cache of the same data never share a hash, and a cache made with
+    ``model.dtype=float32`` keeps the hash it had before ``auto`` existed."""
     from omegaconf import OmegaConf
 
     out: dict[str, Any] = {}
@@ -60,6 +65,10 @@ def cache_defining_config(cfg) -> dict[str, Any]:
         if isinstance(value, dict):
             value = {k: v for k, v in value.items() if k not in RUNTIME_KEYS.get(key, ())}
         out[key] = value
+    if isinstance(out.get("model"), dict) and "dtype" in out["model"]:
+        from core.precision import resolve_dtype
+
+        out["model"]["dtype"] = resolve_dtype(out["model"]["dtype"], "model.dtype", "cpu", check=False)
     return out
 
 
@@ -165,14 +174,18 @@ def finished_entry(directory: Path, index: int, config_hash: str) -> dict[str, A
     """The sidecar entry of a finished, intact shard, or ``None`` if it must be (re)written.
 
     A shard counts as finished when its sidecar exists and the shard file's sha256 matches
-    the sidecar; a torn or corrupt shard (or a missing sidecar) returns ``None``.
+    the sidecar; a torn or corrupt shard (or a missing sidecar) returns ``None``.  A shard that
+    was finished once (its sidecar is readable) but is now missing or does not match is about to be
+    replaced: one warning line on stderr names it (a shard never written says nothing).
 
     Raises:
         ValueError: the sidecar belongs to a cache made with a different config hash.
     """
+    import sys
+
     name = shard_name(index)
     side, path = directory / f"{name}.json", directory / f"{name}.safetensors"
-    if not side.is_file() or not path.is_file():
+    if not side.is_file():
         return None
     try:
         entry = json.loads(side.read_text())
@@ -181,7 +194,14 @@ def finished_entry(directory: Path, index: int, config_hash: str) -> dict[str, A
     if entry.get("config_hash") != config_hash:
         raise ValueError(f"{side} was written with config hash {entry.get('config_hash')!r}, not {config_hash!r}; "
                          "use a fresh prep.cache_dir")
-    if entry.get("sha256") != sha256_file(path):
+    if not path.is_file():
+        print(f"warning: data prep: cache shard {path} is missing (its sidecar {side.name} says it was written); "
+              "writing it again", file=sys.stderr)
+        return None
+    got = sha256_file(path)
+    if entry.get("sha256") != got:
+        print(f"warning: data prep: cache shard {path} does not match its recorded sha256 ({got[:16]}… instead of "
+              f"{str(entry.get('sha256'))[:16]}…): replacing it", file=sys.stderr)
         return None
     return entry
 

@@ -59,19 +59,40 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == getattr(torch, FP8_NAME, None)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row absmax fp8 quantisation.
+#: smallest scale: rows whose max |x| / 448 underflows float32 would divide by 0 (0/0 = NaN)
+_MIN_SCALE = torch.finfo(torch.float32).tiny
+
+
+def quantize_rows(x: torch.Tensor, where: str = "hidden states") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row absmax fp8 quantisation: finite values saturate, non-finite ones are refused.
+
+    Every finite value maps to a finite e4m3 value: ``x / scale`` lies in [-448, 448] (clamped
+    against rounding), and a row whose max |x| is so small that ``max / 448`` underflows gets the
+    smallest normal float32 scale instead of 0 (its values flush towards 0, never to NaN).  A NaN
+    or ±inf has no e4m3 value that stands for it (``float8_e4m3fn`` has no inf; a NaN would also
+    poison its row's scale), so it is refused rather than clipped to ±448 or spread over its row.
 
     Args:
         x: float tensor [..., H] (any float dtype, any device).
+        where: names the tensor in the error.
 
     Returns:
         ``(q, scale)``: ``q`` float8_e4m3fn [..., H], ``scale`` float32 [...] with
         ``x ≈ q.float() * scale[..., None]``; an all-zero row gets scale 1 (and q = 0).
+
+    Raises:
+        core.finite.NonFiniteError: ``x`` holds NaN or ±inf (names ``where``, the row and the count).
     """
+    from core.finite import NonFiniteError, describe, first_non_finite
+
     xf = x.float()
+    found = first_non_finite(xf)
+    if found is not None:
+        index, value, count = found
+        raise NonFiniteError(f"fp8 quantisation of {where}: {count} non-finite value(s) (first {describe(value)} "
+                             f"at {list(index)}); e4m3 has no value for them and they are never clipped or spread")
     amax = xf.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, (amax / FP8_MAX).clamp_min(_MIN_SCALE), torch.ones_like(amax))
     q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(fp8_dtype())
     return q, scale
 
@@ -83,7 +104,10 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = R
 
 def storage_roundtrip(x: torch.Tensor, name: str) -> torch.Tensor:
     """``x`` [..., H] as a cache with ``prep.dtype=name`` returns it: cast for bf16/fp16/fp32,
-    quantise + dequantise (bf16 result) for fp8.  Bit-identical to writing then reading."""
+    quantise + dequantise (bf16 result) for fp8.  Bit-identical to writing then reading.
+
+    Raises:
+        core.finite.NonFiniteError: fp8 and ``x`` holds NaN / ±inf (:func:`quantize_rows`)."""
     dt = storage_dtype(name)
     if is_fp8(dt):
         return dequantize_rows(*quantize_rows(x))

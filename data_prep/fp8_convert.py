@@ -20,6 +20,9 @@ Format and guarantees (as ``python -m data_prep``, :mod:`data_prep.cache`):
   rounding, 2^-9 relative, on top of the fp8 step of 2^-4.)
 * resumable: a re-run skips every shard whose sidecar checksum matches and rewrites torn ones;
   ``CACHE_OUT/fp8_conversion.json`` (written first) ties the directory to its source.
+* finite values saturate into e4m3 and a non-finite one (NaN, ±inf) is refused, naming the shard,
+  tensor, conversation and token (it would otherwise become a row of NaN or a clipped ±448);
+  shards converted before it stay valid, and the conversion resumes once the source is fixed.
 * before anything is written it refuses, with one line naming the file: a source that is not a
   complete cache (a split without ``manifest.json``, a missing shard, a checksum mismatch), a source
   already stored in fp8, a torch without ``float8_e4m3fn``, an output directory that is the source or
@@ -172,7 +175,10 @@ def convert_shard(src_path: Path) -> tuple[dict[str, torch.Tensor], list[str], d
     """The fp8 tensors of one source shard and its conversation ids.
 
     Hidden-state tensors [N, H] become ``float8_e4m3fn`` plus ``<name with hidden_scale>`` float32 [N]
-    (:func:`data_prep.fp8.quantize_rows`); every other tensor is copied unchanged.
+    (:func:`data_prep.fp8.quantize_rows`: finite values saturate); every other tensor is copied unchanged.
+
+    Raises:
+        UserInputError: a hidden-state value is NaN / ±inf (names the tensor, conversation id and token).
 
     Returns:
         ``(tensors, ids, errors)``: ``errors`` by kind (``hidden``, ``aux_hidden``), the error of the
@@ -180,14 +186,26 @@ def convert_shard(src_path: Path) -> tuple[dict[str, torch.Tensor], list[str], d
     """
     from safetensors import safe_open
 
+    from core.finite import describe, first_non_finite
+
     out: dict[str, torch.Tensor] = {}
     stats: dict[str, ErrorStats] = {}
     with safe_open(str(src_path), framework="pt") as f:
         ids = json.loads(f.metadata()["ids"])
+        offsets = f.get_tensor("offsets") if "offsets" in f.keys() else None
         for key in f.keys():
             t = f.get_tensor(key)
             if key in _hidden_keys([key]):
-                q, scale = quantize_rows(t)
+                found = first_non_finite(t)
+                if found is not None:  # refused before this shard is written (earlier shards stay valid)
+                    (row, col), value, count = found
+                    r = int(torch.searchsorted(offsets, row, right=True)) - 1 if offsets is not None else -1
+                    conv = f"conversation {ids[r]!r}, token {row - int(offsets[r])}" if 0 <= r < len(ids) else f"row {row}"
+                    raise UserInputError(
+                        f"{src_path}: tensor {key!r} holds {count} non-finite value(s) (first {describe(value)} in "
+                        f"{conv}, column {col}); fp8 has no value for NaN/inf and the conversion never clips or "
+                        "invents one: re-run data prep on the source (it drops and counts such conversations)")
+                q, scale = quantize_rows(t, where=f"{src_path}:{key}")
                 out[key], out[key.replace("hidden", "hidden_scale", 1)] = q, scale
                 kind = "hidden" if key == "hidden" else "aux_hidden"
                 stats.setdefault(kind, ErrorStats()).add(t, dequantize_rows(q, scale))

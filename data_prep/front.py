@@ -111,16 +111,21 @@ def read_split(data_cfg) -> SplitConversations:
 def template_conversations(tokenizer, convs: Iterable[Conversation], eos_ids: Iterable[int], max_length: int,
                            stats: ReadStats) -> Iterator[TemplatedConversation]:
     """Template conversations (:func:`data_prep.template.segment_records`); skipped records are counted in
-    ``stats`` by reason with the first id and message, and never raise."""
+    ``stats`` by reason with the first id and message, and never raise.  A kept conversation that
+    lost turns counts one ``turns_dropped_<reason>`` per turn, one split into several records counts
+    ``split_by_template`` (``stats.fixed``, first id in ``stats.fix_examples``)."""
     eos = set(eos_ids)
     for conv in convs:
+        dropped: list[TemplateError] = []
         try:
-            records = segment_records(tokenizer, conv.messages, conv.id, eos, max_length)
+            records = segment_records(tokenizer, conv.messages, conv.id, eos, max_length, dropped_turns=dropped)
         except TemplateError as exc:
             stats.drop(exc.reason, conv.id, str(exc))
             continue
+        for exc in dropped:  # the conversation is kept without the turns no rendering can give
+            stats.fix(f"turns_dropped_{exc.reason}", conv.id, str(exc))
         if len(records) > 1:
-            stats.fixed["split_by_template"] += 1
+            stats.fix("split_by_template", conv.id, f"{len(records)} records: the template rewrites earlier turns")
         for k, segs in enumerate(records):
             yield TemplatedConversation(conv.id if k == 0 else f"{conv.id}#{k}", conv.id, segs)
 

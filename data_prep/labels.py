@@ -34,7 +34,7 @@ def _pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor
 @torch.inference_mode()
 def forward_features(model, seqs: Sequence[Sequence[int]], pad_id: int, layers: Sequence[int],
                      head_chunk: int = 2048) -> list[dict]:
-    """Teacher-forced features for a batch of token sequences.
+    """Teacher-forced features for a batch of token sequences (:func:`data_prep.features.teacher_forced`).
 
     Args:
         model: a frozen HF causal LM (``model.base_model`` returns ``hidden_states``;
@@ -46,25 +46,18 @@ def forward_features(model, seqs: Sequence[Sequence[int]], pad_id: int, layers: 
 
     Returns:
         one dict per sequence (length T_i): ``labels`` LongTensor [T_i] (argmax of the logits at
-        each position) and ``hidden`` ``{l: FloatTensor [T_i, H]}`` in the model's dtype.
+        each position), ``hidden`` ``{l: FloatTensor [T_i, H]}`` in the model's dtype (the compute
+        dtype, ``model.dtype``) and ``logits_finite`` BoolTensor [T_i] (False where a logit is NaN /
+        ±inf: the label is undefined).
     """
+    from data_prep.features import teacher_forced
+
     ids, attn = _pad_right(seqs, pad_id)
     device = next(model.parameters()).device
-    out = model.base_model(input_ids=ids.to(device), attention_mask=attn.to(device), output_hidden_states=True,
-                           use_cache=False)
-    hs = out.hidden_states
-    head = model.get_output_embeddings()
-    final = hs[-1]
+    labels, hs, finite = teacher_forced(model, ids.to(device), attn.to(device), head_chunk)
     lengths = [len(s) for s in seqs]
-    flat = torch.cat([final[i, :n] for i, n in enumerate(lengths)])
-    labels = torch.cat([head(flat[j: j + head_chunk]).argmax(-1) for j in range(0, flat.shape[0], head_chunk)])
-    results = []
-    start = 0
-    for i, n in enumerate(lengths):
-        results.append({"labels": labels[start: start + n].cpu(),
-                        "hidden": {l: hs[l][i, :n].cpu() for l in layers}})
-        start += n
-    return results
+    return [{"labels": labels[i, :n].cpu(), "logits_finite": finite[i, :n].cpu(),
+             "hidden": {l: hs[l][i, :n].cpu() for l in layers}} for i, n in enumerate(lengths)]
 
 
 #: one row's KV cache for the tokens fed so far: per layer ``(keys, values)``, each [H_kv, n, D]

@@ -25,6 +25,7 @@ from core.config import UserInputError, save_config
 from core.io import atomic_write_json
 from data_prep import cache as cache_mod
 from data_prep import label_counts
+from data_prep.features import FeatureDefinition
 from data_prep.labels import forward_features, regenerate
 from data_prep.front import (SPLITS, SplitConversations, TemplatedConversation, heldout_prompts,  # noqa: F401
                               read_split, template_split)
@@ -102,9 +103,50 @@ def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]
     return batches
 
 
+#: drop reasons of the finite-value guard (:func:`non_finite_reason`)
+NON_FINITE_HIDDEN = "non_finite_hidden"
+NON_FINITE_LABELS = "non_finite_labels"
+HIDDEN_OVERFLOWS_STORAGE = "hidden_overflows_storage_dtype"
+
+
+def non_finite_reason(record: dict, storage: torch.dtype | None = None) -> tuple[str, dict] | None:
+    """Why a featurised record must not enter the cache, or None when every cached value is finite.
+
+    Checks every cached layer's hidden state ``record["hidden"][l]`` [T, H] at every position,
+    first as the base computed it, then (``storage`` = ``prep.dtype``, bf16 / fp16 / fp32) as it
+    would be stored (a finite fp32 state beyond fp16's 65504 becomes inf); fp8 stores every finite
+    value (:func:`data_prep.fp8.quantize_rows` saturates).  Then the logits behind the labels
+    (``record["logits_finite"]`` [T]: a NaN / inf logit leaves the greedy label undefined).
+
+    Returns:
+        ``(reason, where)``: reason :data:`NON_FINITE_HIDDEN`, :data:`HIDDEN_OVERFLOWS_STORAGE` or
+        :data:`NON_FINITE_LABELS`; ``where`` = ``{"layer", "position", "value"}`` of the first bad
+        value (``layer`` None for labels).
+    """
+    from core.finite import describe, first_non_finite
+    from data_prep.fp8 import is_fp8
+
+    for layer in sorted(record["hidden"]):
+        h = record["hidden"][layer]
+        found = first_non_finite(h)
+        if found is not None:
+            return NON_FINITE_HIDDEN, {"layer": int(layer), "position": found[0][0], "value": describe(found[1])}
+        if storage is not None and not is_fp8(storage) and h.dtype != storage:
+            found = first_non_finite(h.to(storage))
+            if found is not None:
+                return HIDDEN_OVERFLOWS_STORAGE, {"layer": int(layer), "position": found[0][0],
+                                                  "value": f"{float(h[found[0]]):.4g} -> {describe(found[1])} "
+                                                           f"in {str(storage).removeprefix('torch.')}"}
+    finite = record.get("logits_finite")
+    if finite is not None and not bool(finite.all()):
+        return NON_FINITE_LABELS, {"layer": None, "position": int((~finite).nonzero()[0, 0]), "value": "logits"}
+    return None
+
+
 def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, labels_mode: str, max_length: int,
                   max_new_tokens: int | None, layers: Sequence[int], final_layer: int, batch_tokens: int,
-                  gen_batch_size: int, progress: _Progress | None = None) -> tuple[list[dict], Counter]:
+                  gen_batch_size: int, progress: _Progress | None = None, storage: torch.dtype | None = None,
+                  examples: dict | None = None) -> tuple[list[dict], Counter]:
     """Label and featurise templated conversations (one shard's worth), in input order.
 
     Args:
@@ -115,9 +157,12 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
     Returns:
         ``(records, counts)``: records with ``id``, ``input_ids``, ``loss_mask``, ``labels``
         and ``hidden`` {l: [T, H]} for ``final_layer`` and ``layers``; ``counts`` holds
-        ``no_assistant_tokens`` (every assistant token fell beyond ``max_length``) and, for
+        ``no_assistant_tokens`` (every assistant token fell beyond ``max_length``), the finite-value
+        guard's reasons (:func:`non_finite_reason`: a non-finite hidden state or label, or a state
+        the storage dtype ``storage`` cannot hold; the conversation is dropped) and, for
         ``regenerate``, ``regen_truncated_turns`` (turns cut by the budget, left without an
-        end-of-turn).
+        end-of-turn).  ``examples`` (optional dict) receives the first dropped conversation per
+        guard reason: ``{reason: {"id", "layer", "position", "value"}}``.
     """
     eos = end_of_turn_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
@@ -145,11 +190,23 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         for i, f in zip(group, feats):
             items[i]["labels"] = f["labels"]
             items[i]["hidden"] = f["hidden"]
+            items[i]["logits_finite"] = f.get("logits_finite")
         if progress is not None:
             progress.update(len(group), sum(len(items[i]["input_ids"]) for i in group))
     if progress is not None and len(convs) > len(items):
         progress.update(len(convs) - len(items), 0)
-    return items, counts
+    kept = []
+    for it in items:  # the finite-value guard: nothing non-finite enters the cache
+        bad = non_finite_reason(it, storage)
+        it.pop("logits_finite", None)
+        if bad is None:
+            kept.append(it)
+            continue
+        reason, where = bad
+        counts[reason] += 1
+        if examples is not None:
+            examples.setdefault(reason, {"id": it["id"], **where})
+    return kept, counts
 
 
 def refuse_different_cache(root: Path, cfg) -> None:
@@ -193,12 +250,28 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         the summary dict (also ``<cache>/summary.json`` once every shard of both splits exists):
         conversations, tokens, assistant tokens, dropped by reason, bytes on disk, bytes per token.
 
+    The base runs in ``model.dtype`` (``auto`` resolved for the CPU by :func:`core.precision.resolve_dtype`:
+    one line; bf16 on a CPU without bf16 instructions is refused before anything is written); the
+    cache's ``config.yaml``, hash and manifest ``features`` (:class:`data_prep.features.FeatureDefinition`)
+    record the dtype that ran.
+
     Raises:
+        core.config.ConfigError: ``model.dtype=bfloat16`` on a CPU without bf16 instructions.
+        ValueError: ``model`` was loaded in another dtype than ``model.dtype`` resolves to.
         UserInputError: bad ``prep.layers``, a cache directory prepared under other settings, or no
             usable conversation.
     """
     if rank is None or world is None:
         rank, world = cache_mod.rank_world()
+    # the base's compute dtype first: model.dtype=auto -> what runs on this CPU (one line), bf16 without
+    # bf16 instructions refused; the cache's config.yaml, hash and manifest record the resolved dtype
+    from core.precision import resolve_dtype, torch_dtype, with_values
+
+    compute = resolve_dtype(cfg.model.dtype, "model.dtype", "cpu")
+    cfg = with_values(cfg, {"model.dtype": compute})
+    if model is not None and model.dtype != torch_dtype(compute):
+        raise ValueError(f"prepare() was given a base in {model.dtype} but model.dtype resolves to {compute}; "
+                         f"load it with dtype={compute} (core.base_model.load_base_model(cfg.model))")
     root = cache_mod.default_cache_dir(cfg)
     chash = cache_mod.cache_hash(cfg)
     max_length = int(cfg.data.max_length)
@@ -241,6 +314,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
                    **({"hidden_scale": "float32"} if is_fp8(dtype) else {})},
         "pad_id": int(pad_id),
         "labels": str(cfg.labels),
+        "features": FeatureDefinition.from_config(cfg, L).to_dict(),
         "max_length": max_length,
         "max_new_tokens": (max_new if max_new is not None else max_length) if cfg.labels == "regenerate" else None,
         "data_sources": [s.describe() for s in data.sources],
@@ -264,11 +338,15 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
             if cache_mod.finished_entry(directory, k, chash) is not None:
                 progress.update(len(convs), sum(sum(len(s.ids) for s in c.segments) for c in convs))
                 continue
+            examples: dict = {}
             records, dropped = build_records(
                 model, tokenizer, convs, labels_mode=str(cfg.labels), max_length=max_length,
                 max_new_tokens=max_new, layers=layers, final_layer=L,
                 batch_tokens=int(cfg.prep.batch_tokens), gen_batch_size=int(cfg.prep.gen_batch_size),
-                progress=progress)
+                progress=progress, storage=dtype, examples=examples)
+            for reason, ex in examples.items():
+                print(f"data prep: dropped conversation {ex['id']!r} ({reason}: {ex['value']} at layer {ex['layer']}, "
+                      f"position {ex['position']})", file=sys.stderr)
             if records:
                 tensors = cache_mod.build_shard_tensors(records, layers, L, dtype)
             else:
@@ -281,7 +359,8 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
                     tensors.update({k.replace("hidden", "hidden_scale", 1): torch.zeros(0) for k in list(tensors)
                                     if "hidden" in k})
             cache_mod.write_shard(directory, k, tensors, [r["id"] for r in records],
-                                  {"config_hash": chash, "dropped": dict(sorted(dropped.items()))})
+                                  {"config_hash": chash, "dropped": dict(sorted(dropped.items())),
+                                   **({"drop_examples": dict(sorted(examples.items()))} if examples else {})})
     finally:
         progress.close()
     manifests = {}
@@ -319,10 +398,15 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
     truncated = 0
     totals = {"conversations": 0, "tokens": 0, "assistant_tokens": 0, "bytes": 0}
     per_split = {}
+    examples = dict(data.stats.examples)
     for split, m in manifests.items():
         if m is None:
             continue
         dropped.update(m["dropped"])
+        for entry in m["shards"]:  # the finite-value guard's first example per reason (shard sidecars)
+            for reason, ex in entry.get("drop_examples", {}).items():
+                examples.setdefault(reason, {"id": ex["id"], "message": f"{ex['value']} at layer {ex['layer']}, "
+                                                                        f"position {ex['position']}"})
         truncated += dropped.pop("regen_truncated_turns", 0)
         per_split[split] = {"conversations": m["num_records"], "tokens": m["num_tokens"],
                             "assistant_tokens": m["num_assistant_tokens"], "bytes": m["bytes"]}
@@ -338,8 +422,9 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         "splits": per_split,
         "records_read": data.stats.records,
         "dropped": dict(sorted(dropped.items())),
-        "drop_examples": dict(sorted(data.stats.examples.items())),
+        "drop_examples": dict(sorted(examples.items())),
         "fixed": dict(sorted(data.stats.fixed.items())),
+        "fix_examples": dict(sorted(data.stats.fix_examples.items())),
         "regen_truncated_turns": truncated,
         "replaced_bytes": data.stats.replaced_bytes,
         "replaced_records": data.stats.replaced_records,
@@ -361,6 +446,7 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{k} {v:,}" for k, v in s["dropped"].items()) or "none"),
         *[f"  {k}: first {ex['id']!r}: {ex['message']}" for k, ex in s.get("drop_examples", {}).items()],
         "kept after normalisation: " + (", ".join(f"{k} {v:,}" for k, v in s.get("fixed", {}).items()) or "none"),
+        *[f"  {k}: first {ex['id']!r}: {ex['message']}" for k, ex in s.get("fix_examples", {}).items()],
         f"bytes on disk: {s['bytes']:,}   bytes per token: {s['bytes_per_token']:.1f}"
         if s["bytes_per_token"] else f"bytes on disk: {s['bytes']:,}",
     ]

@@ -13,15 +13,23 @@ system → system) and rejects bad records with one of :data:`BAD_REASONS` (issu
 It also reads the OpenAI/UltraChat ``messages`` form (``{"messages": [{"role", "content"}]}``),
 so every source (this reader or ``datasets``, :mod:`data_prep.sources`) shares one normalisation.
 
-Normalisation rules (issue 15, all counted in :attr:`ReadStats.fixed`):
+Normalisation rules (issues 15, 28): every change to a kept record is counted under its own rule in
+:attr:`ReadStats.fixed` (records changed; the first record per rule in
+:attr:`ReadStats.fix_examples`), which the data-prep summary and the cache manifest carry:
 
+* a role written as another name is mapped (``role_mapped_<name>_to_<role>``, e.g.
+  ``role_mapped_human_to_user``, ``role_mapped_bard_to_assistant``; names are matched case- and
+  whitespace-insensitively, and ``role_mapped_User_to_user`` says so);
+* an OpenAI content list of text parts is joined into one string (``text_parts_joined``);
 * leading assistant turns (after an optional system turn) are dropped and the rest kept
   (``leading_assistant_dropped``; ShareGPT splits long conversations into parts, and a part
   often starts with the assistant — FastChat and SpecForge do the same);
 * consecutive turns of one role are merged into one turn, joined by a blank line
   (``merged_consecutive_roles``), so templates that enforce user/assistant alternation
   (Llama-2, Mistral) accept the record;
-* turns after the last assistant turn are dropped (they carry no loss).
+* turns after the last assistant turn are dropped (``trailing_turns_dropped``: they carry no loss).
+
+Templating adds its own (:mod:`data_prep.front`): ``split_by_template`` and ``turns_dropped_<reason>``.
 """
 from __future__ import annotations
 
@@ -66,6 +74,8 @@ class Conversation:
 
     id: str
     messages: list[dict[str, str]]
+    #: ``(rule, message)`` of each normalisation applied to the record (module doc)
+    fixes: list[tuple[str, str]] = field(default_factory=list)
 
 
 class Drop(str):
@@ -89,7 +99,9 @@ class ReadStats:
         dropped: ``reason -> count`` for skipped records (reasons from :data:`BAD_REASONS` and
             the templating reasons of :mod:`data_prep.template`).
         examples: ``reason -> {"id", "message"}`` of the first record dropped for that reason.
-        fixed: ``rule -> count`` of kept records changed by a normalisation rule (module doc).
+        fixed: ``rule -> count`` of kept records changed by a normalisation rule (module doc;
+            ``turns_dropped_<reason>`` counts turns).
+        fix_examples: ``rule -> {"id", "message"}`` of the first record changed by that rule.
         unparsed_bytes: UTF-8 bytes of the file that were not part of any decoded record
             (a truncated tail, corrupt regions); separators and whitespace are not counted.
         replaced_bytes: bytes that were not valid in ``data.encoding`` (decoded as U+FFFD).
@@ -102,6 +114,7 @@ class ReadStats:
     dropped: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)
     fixed: Counter = field(default_factory=Counter)
+    fix_examples: dict = field(default_factory=dict)
     unparsed_bytes: int = 0
     replaced_bytes: int = 0
     replaced_records: int = 0
@@ -112,6 +125,11 @@ class ReadStats:
         self.dropped[str(reason)] += 1
         self.examples.setdefault(str(reason), {"id": str(record_id), "message": message or getattr(reason, "message", "")})
 
+    def fix(self, rule: str, record_id: str, message: str = "") -> None:
+        """Count one kept record changed by normalisation rule ``rule``; remember the first one."""
+        self.fixed[str(rule)] += 1
+        self.fix_examples.setdefault(str(rule), {"id": str(record_id), "message": message})
+
     def merge(self, other: "ReadStats") -> None:
         """Add ``other``'s counts (first examples win)."""
         self.records += other.records
@@ -120,6 +138,8 @@ class ReadStats:
         self.fixed.update(other.fixed)
         for k, v in other.examples.items():
             self.examples.setdefault(k, v)
+        for k, v in other.fix_examples.items():
+            self.fix_examples.setdefault(k, v)
         self.unparsed_bytes += other.unparsed_bytes
         self.replaced_bytes += other.replaced_bytes
         self.replaced_records += other.replaced_records
@@ -127,6 +147,7 @@ class ReadStats:
     def to_dict(self) -> dict[str, Any]:
         return {"records": self.records, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
                 "examples": dict(sorted(self.examples.items())), "fixed": dict(sorted(self.fixed.items())),
+                "fix_examples": dict(sorted(self.fix_examples.items())),
                 "unparsed_bytes": self.unparsed_bytes, "replaced_bytes": self.replaced_bytes,
                 "replaced_records": self.replaced_records, "finished": self.finished}
 
@@ -319,8 +340,8 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         record: a decoded JSON value or a ``datasets`` row.
         index: its position in the source (used as the id when the record has none).
         fmt: one of :data:`FORMATS`.
-        fixed: optional counter of the normalisation rules applied (``leading_assistant_dropped``,
-            ``merged_consecutive_roles``), updated only for kept records.
+        fixed: optional counter of the normalisation rules applied (module doc), updated only
+            for kept records (also listed, with a message, in the result's ``fixes``).
 
     Returns:
         a :class:`Conversation` (roles mapped by :data:`ROLE_MAP`), or a :class:`Drop` whose value
@@ -334,6 +355,7 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
     if not isinstance(record, dict) or not isinstance(record.get(list_key), list):
         return Drop("missing_conversations", f"no {list_key!r} list in the record")
     messages: list[dict[str, str]] = []
+    fixes: dict[str, str] = {}  # rule -> message (one count per record and rule)
     for t, turn in enumerate(record[list_key]):
         text = _text(turn.get(text_key)) if isinstance(turn, dict) else None
         if text is None:
@@ -344,6 +366,10 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
             return Drop("unknown_role", f"turn {t}: unknown role {raw_role!r}")
         if not text.strip():
             return Drop("empty_turn", f"turn {t}: empty {role} turn")
+        if raw_role.strip() != role:
+            fixes.setdefault(f"role_mapped_{raw_role.strip()}_to_{role}", f"turn {t}: role {raw_role!r} read as {role!r}")
+        if not isinstance(turn.get(text_key), str):
+            fixes.setdefault("text_parts_joined", f"turn {t}: {len(turn[text_key])} text parts joined")
         messages.append({"role": role, "content": text})
     if any(m["role"] == "system" for m in messages[1:]):
         return Drop("misplaced_system", "a system turn that is not the first turn")
@@ -362,22 +388,28 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
     if "assistant" not in roles:
         return Drop("no_assistant_turn", "no assistant turn after a user turn")
     last_assistant = len(roles) - 1 - roles[::-1].index("assistant")
+    if lead > first:
+        fixes["leading_assistant_dropped"] = f"{lead - first} leading assistant turn(s) dropped"
+    if len(merged) < len(body):
+        fixes["merged_consecutive_roles"] = f"{len(body) - len(merged)} turn(s) merged into the turn before (same role)"
+    if last_assistant + 1 < len(merged):
+        fixes["trailing_turns_dropped"] = f"{len(merged) - last_assistant - 1} turn(s) after the last assistant turn dropped"
     if fixed is not None:
-        if lead > first:
-            fixed["leading_assistant_dropped"] += 1
-        if len(merged) < len(body):
-            fixed["merged_consecutive_roles"] += 1
-    return Conversation(id=record_id(record, index), messages=messages[:first] + merged[: last_assistant + 1])
+        fixed.update(fixes.keys())
+    return Conversation(id=record_id(record, index), messages=messages[:first] + merged[: last_assistant + 1],
+                        fixes=sorted(fixes.items()))
 
 
 def normalize_records(records, stats: ReadStats, fmt: str = "auto") -> Iterator[Conversation]:
     """Normalise a stream of records (any source); count drops, examples and fixes in ``stats``."""
     for i, rec in enumerate(records):
-        out = normalize(rec, i, fmt, stats.fixed)
+        out = normalize(rec, i, fmt)
         if isinstance(out, Drop):
             stats.drop(out, record_id(rec, i))
         else:
             stats.kept += 1
+            for rule, message in out.fixes:
+                stats.fix(rule, out.id, message)
             yield out
 
 

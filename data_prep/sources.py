@@ -61,7 +61,7 @@ class SourceSpec:
         """What the cache manifest records about this source (deterministic)."""
         return {"path": self.path, "format": self.format, "split": self.split, "weight": self.weight,
                 "max": self.max, "conversations": self.taken, "records_read": self.stats.records,
-                "dropped": dict(sorted(self.stats.dropped.items()))}
+                "dropped": dict(sorted(self.stats.dropped.items())), "fixed": dict(sorted(self.stats.fixed.items()))}
 
 
 def source_specs(data_cfg) -> list[SourceSpec]:

@@ -1,34 +1,38 @@
-"""Chat templating and assistant-only loss masks, as inference sees each turn (issue 15).
+"""Chat templating and assistant-only loss masks, as inference sees each turn (issues 15, 28).
 
 The ground truth for assistant turn ``i`` is the inference view: the tokens of
-``apply_chat_template(messages[:i], add_generation_prompt=True)`` (the prompt the base model sees
-when it writes turn i), then the reply, then the end-of-turn token.  Turn i is rendered on its own,
-as ``render(messages[:i+1])`` (the template sees turn i as the last message, exactly as at inference
-time), and split by the template's structure, never by searching token ids:
+``apply_chat_template(messages[:i], add_generation_prompt=True)`` (the prompt the base model reads
+when it writes turn i), then the turn as the base writes it, up to and including its end-of-turn
+token.  Every turn is rendered on its own (:func:`_turn_view`), for any template:
 
-* *header*: the generation prompt plus whatever the template puts between it and the reply text
-  (Qwen3-style templates put an empty ``<think>\n\n</think>\n\n`` block there; it belongs to the
-  prompt and is never in the loss);
-* *body*: from the first token holding a character of the reply (found in the rendered text,
-  token positions from the fast tokenizer's offsets; a slow tokenizer needs the reply on token
-  boundaries) up to and including the first end-of-turn token (an eos id) after the reply;
-* *footer*: what follows (e.g. ``\n``).
+* *header*: exactly the generation prompt's tokens (never in the loss);
+* *body*: what follows the prompt in the template's rendering of turn i as the last message,
+  ``render(messages[:i+1])`` (Qwen3-style templates write an empty ``<think>\n\n</think>\n\n``
+  block there: the base writes it after the generation prompt, so it is in the loss), up to and
+  including the first end-of-turn token (an eos id) after the reply text; a template whose
+  rendering does not continue its own generation prompt gets the prompt + the reply text + an
+  end-of-turn token instead.  Token positions come from the fast tokenizer's offsets (a slow
+  tokenizer needs the reply on token boundaries);
+* *footer*: what follows in the rendering (e.g. ``\n``).
 
 Turns are then packed into as few sequences ("records") as the template allows: turn i extends the
-current record when the record's tokens are a token prefix of turn i's rendering (every
-prefix-stable template, e.g. ChatML: one record per conversation); otherwise (templates that
-rewrite history, e.g. Qwen3 stripping reasoning from earlier replies) turn i starts a new record
-whose context is its own inference view.  Every body is thus preceded by exactly the tokens
-inference would see.
+current record when the record's tokens are a token prefix of turn i's view (every prefix-stable
+template, e.g. ChatML: one record per conversation); otherwise (templates that rewrite history,
+e.g. Qwen3 stripping reasoning from earlier replies, templates that trim earlier turns) turn i
+starts a new record whose context is its own inference view.  Every body is thus preceded by
+exactly the tokens inference would see.
 
-Per-record faults raise :class:`TemplateError` with a reason (the caller counts and skips the record):
+Per-turn faults raise :class:`TemplateError` with a reason.  A turn no rendering can give its
+inference view is dropped and counted (``turns_dropped_<reason>`` in the data-prep summary and the
+manifest), the conversation's other turns are kept; a conversation none of whose turns can be
+templated is dropped under the first turn's reason:
 
-* ``special_token_text``: a message contains the text of a special token (e.g. ``<|im_end|>``).
-  ``apply_chat_template`` would encode it as the real control token at inference time too, so no
-  faithful rendering exists; the record is skipped;
+* ``special_token_text``: the turn or a message before it contains the text of a special token
+  (e.g. ``<|im_end|>``).  ``apply_chat_template`` would encode it as the real control token at
+  inference time too, so no faithful rendering exists;
 * ``template_error``: the template raised (e.g. ``raise_exception`` in a Llama-2/Mistral template);
-* ``template_mismatch``: the generation prompt is not a prefix of the rendered turn, the reply
-  text is not in the rendering, or no end-of-turn token follows it.
+* ``template_mismatch``: neither view continues the generation prompt's tokens with an
+  end-of-turn token.
 
 The loss mask is True on assistant bodies only (METHODS.md §0: m_t = 1 on assistant tokens).
 """
@@ -100,45 +104,85 @@ def end_of_turn_ids(tokenizer, model=None) -> set[int]:
     return ids
 
 
-def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str, eos_ids: set[int]
-               ) -> tuple[list[int], int, int, int]:
-    """Render assistant turn ``i`` as the last message: ``(ids, prompt_len, body_start, body_end)``."""
-    gen_text = _render_text(tokenizer, messages[:i], conversation_id, add_generation_prompt=True)
-    full_text = _render_text(tokenizer, messages[: i + 1], conversation_id)
-    where = f"conversation {conversation_id!r}, assistant turn {i}"
-    if not full_text.startswith(gen_text):
-        raise TemplateError(f"{where}: the generation prompt is not a prefix of the rendered turn")
-    reply = messages[i]["content"].strip()
-    pos = full_text.find(reply, len(gen_text))
-    if pos < 0:
-        raise TemplateError(f"{where}: the reply text is not in the template's rendering (the template rewrites it)")
+def _eos_text(tokenizer, eos_ids: set[int]) -> str | None:
+    """The text of an end-of-turn token (the tokenizer's eos when it is one of ``eos_ids``)."""
+    eid = tokenizer.eos_token_id if tokenizer.eos_token_id in eos_ids else (min(eos_ids) if eos_ids else None)
+    return None if eid is None else tokenizer.convert_ids_to_tokens(int(eid))
+
+
+def _reply_view(tokenizer, text: str, gen_ids: list[int], gen_len: int, reply: str, eos_ids: set[int]
+                ) -> tuple[list[int], int] | None:
+    """Tokens of ``text`` (the prompt ``text[:gen_len]`` + a reply) and the end of the reply's span,
+    or None when ``text`` does not continue the prompt's tokens or has no end-of-turn after it.
+
+    The span runs from the end of the prompt to the first end-of-turn token at or after the reply
+    text (anything a template writes in front of the reply, e.g. an empty think block, is part of
+    what the base writes after the generation prompt, so it is in the span)."""
+    pos = text.find(reply, gen_len) if reply else -1
+    reply_end = pos + len(reply) if pos >= 0 else gen_len
     try:
-        enc = _encode(tokenizer, full_text, offsets=True)
+        enc = _encode(tokenizer, text, offsets=True)
         offs = enc["offset_mapping"]
     except NotImplementedError:  # a slow (Python) tokenizer has no offsets: token counts of text prefixes
-        enc, offs = _encode(tokenizer, full_text), None
+        enc, offs = _encode(tokenizer, text), None
     ids = list(enc["input_ids"])
-    gen_ids = list(_encode(tokenizer, gen_text)["input_ids"])
     if ids[: len(gen_ids)] != gen_ids:
-        raise TemplateError(f"{where}: the generation prompt's tokens are not a prefix of the rendered turn's tokens")
-    reply_end = pos + len(reply)
+        return None
     if offs is None:
-        head = list(_encode(tokenizer, full_text[:pos])["input_ids"])
-        upto = list(_encode(tokenizer, full_text[:reply_end])["input_ids"])
-        if ids[: len(head)] != head or ids[: len(upto)] != upto:
-            raise TemplateError(f"{where}: the reply does not start or end on a token boundary")
-        start = len(head)
-        end = next((t + 1 for t in range(len(upto), len(ids)) if ids[t] in eos_ids), None)
+        upto = list(_encode(tokenizer, text[:reply_end])["input_ids"])
+        if ids[: len(upto)] != upto:
+            return None
+        first = max(len(upto), len(gen_ids))
+        end = next((t + 1 for t in range(first, len(ids)) if ids[t] in eos_ids), None)
     else:
-        start = next((t for t in range(len(gen_ids), len(ids)) if offs[t][1] > pos), len(ids))
-        end = next((t + 1 for t in range(start, len(ids)) if ids[t] in eos_ids and offs[t][0] >= reply_end), None)
-    if end is None or start >= end - 1:
-        raise TemplateError(f"{where}: no end-of-turn token (eos ids {sorted(eos_ids)}) after the reply")
-    return ids, len(gen_ids), start, end
+        end = next((t + 1 for t in range(len(gen_ids), len(ids)) if ids[t] in eos_ids and offs[t][0] >= reply_end),
+                   None)
+    if end is None or end - len(gen_ids) < 2:  # the reply, not an end-of-turn alone
+        return None
+    return ids, end
+
+
+def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str, eos_ids: set[int],
+               specials: Sequence[str] = ()) -> tuple[list[int], int, int]:
+    """Assistant turn ``i`` as inference sees it: ``(ids, prompt_len, body_end)``.
+
+    ``ids[:prompt_len]`` are exactly the tokens of ``apply_chat_template(messages[:i],
+    add_generation_prompt=True)`` (what the base reads when it writes turn i), ``ids[prompt_len:
+    body_end]`` the turn as the base writes it, up to and including its end-of-turn token, and
+    ``ids[body_end:]`` the template's footer.  The reply is the template's own rendering of turn i
+    as the last message (``render(messages[:i+1])``, so a template's formatting of the reply, e.g.
+    Qwen3's think block, is kept) when that rendering continues the generation prompt; else the
+    prompt followed by the reply text and an end-of-turn token (templates whose generation prompt
+    differs from how they render a past reply).
+
+    Raises:
+        TemplateError: ``special_token_text`` (the turn or its context holds a special token's text),
+            ``template_error`` (the template raised) or ``template_mismatch`` (neither view works).
+    """
+    where = f"conversation {conversation_id!r}, assistant turn {i}"
+    for t, m in enumerate(messages[: i + 1]):
+        hit = next((sp for sp in specials if sp in m["content"]), None)
+        if hit is not None:
+            raise TemplateError(f"{where}: turn {t} contains the special-token text {hit!r}", "special_token_text")
+    gen_text = _render_text(tokenizer, messages[:i], conversation_id, add_generation_prompt=True)
+    gen_ids = list(_encode(tokenizer, gen_text)["input_ids"])
+    full_text = _render_text(tokenizer, messages[: i + 1], conversation_id)
+    reply = messages[i]["content"].strip()
+    candidates = [full_text] if full_text.startswith(gen_text) else []
+    eos_text = _eos_text(tokenizer, eos_ids)
+    if eos_text is not None:
+        candidates.append(gen_text + messages[i]["content"] + eos_text)
+    for text in candidates:
+        view = _reply_view(tokenizer, text, gen_ids, len(gen_text), reply, eos_ids)
+        if view is not None:
+            ids, end = view
+            return ids, len(gen_ids), end
+    raise TemplateError(f"{where}: neither the template's rendering of the turn nor the generation prompt followed by "
+                        f"the reply continues the prompt's tokens with an end-of-turn token (eos ids {sorted(eos_ids)})")
 
 
 def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, eos_ids: Iterable[int],
-                    max_length: int | None = None) -> list[list[Segment]]:
+                    max_length: int | None = None, dropped_turns: list | None = None) -> list[list[Segment]]:
     """Template a conversation into records of assistant :class:`Segment` s (module doc).
 
     Args:
@@ -148,41 +192,52 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
         eos_ids: end-of-turn token ids (:func:`end_of_turn_ids`).
         max_length: stop at the first turn whose rendering reaches this many tokens (later
             turns would be truncated away); ``None`` = all turns.
+        dropped_turns: optional list; each assistant turn that no rendering can give its inference
+            view is skipped (the other turns are kept) and appended as a :class:`TemplateError`.
+            Without it such a turn raises (nothing is dropped uncounted).
 
     Returns:
         one list of segments per record (usually one record).  In a record, segment ``k``'s ids
         are ``header + body + footer``: the header holds every token since the previous
-        segment (user turns, the generation prompt, a template's empty think block), so the
-        concatenation of a record's segments is the rendering of its last turn.
+        segment (the previous footer, user turns, the generation prompt), so the tokens before each
+        body are exactly its turn's generation prompt, and the concatenation of a record's
+        segments is the view of its last turn.
 
     Raises:
-        TemplateError: with ``reason`` in :data:`TEMPLATE_REASONS`.
+        TemplateError: with ``reason`` in :data:`TEMPLATE_REASONS` when no assistant turn can be
+            templated (the first turn's error), or ``no_assistant_tokens``.
     """
     eos_ids = set(eos_ids)
     specials = special_token_texts(tokenizer)
-    for t, m in enumerate(messages):
-        hit = next((sp for sp in specials if sp in m["content"]), None)
-        if hit is not None:
-            raise TemplateError(f"conversation {conversation_id!r}: turn {t} contains the special-token text {hit!r}",
-                                "special_token_text")
     records: list[list[Segment]] = []
     cur: list[int] | None = None
+    errors: list[TemplateError] = []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        ids, prompt_len, start, end = _turn_view(tokenizer, messages, i, conversation_id, eos_ids)
+        try:
+            ids, prompt_len, end = _turn_view(tokenizer, messages, i, conversation_id, eos_ids, specials)
+        except TemplateError as exc:
+            errors.append(exc)
+            continue
         if max_length is not None and prompt_len >= max_length:
             break
         if cur is not None and ids[: len(cur)] == cur:
-            records[-1].append(Segment("assistant", ids[len(cur):], header=start - len(cur), body=end - start))
+            records[-1].append(Segment("assistant", ids[len(cur):], header=prompt_len - len(cur), body=end - prompt_len))
         else:
-            records.append([Segment("assistant", ids, header=start, body=end - start)])
+            records.append([Segment("assistant", ids, header=prompt_len, body=end - prompt_len)])
         cur = ids
         if max_length is not None and len(ids) >= max_length:
             break
     if not records:
+        if errors:
+            raise errors[0]
         raise TemplateError(f"conversation {conversation_id!r}: the first reply starts beyond max_length={max_length}",
                             "no_assistant_tokens")
+    if errors and dropped_turns is None:  # a caller that does not count dropped turns gets none dropped
+        raise errors[0]
+    if dropped_turns is not None:
+        dropped_turns.extend(errors)
     return records
 
 

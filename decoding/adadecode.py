@@ -202,7 +202,7 @@ class AdaDecodeDecoder:
         verification.  (Tests override this to plant drafts.)
 
         With a draft vocabulary the confidence is the max of the *subset* softmax (a labelled
-        deviation from the paper, whose head is full-vocabulary: see README), the draft is mapped
+        deviation from the paper, whose head is full-vocabulary: see docs/draft_vocab.md), the draft is mapped
         back through ``d2t``, and at τ > 0 the proposal q is the subset distribution placed on the
         base vocabulary (zero outside), which §4.2's chain rule verifies losslessly."""
         z = self.head_logits(layer, h).float()

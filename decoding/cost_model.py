@@ -9,7 +9,9 @@ measurement sees the same context length.
 
 Measurements are cached as JSON per (base identity, device, dtype, threads, grid, context
 length) under ``<output_root>/cost_model/``; any change of these keys gives another file, i.e. a
-re-measurement (:func:`load_or_measure`).
+re-measurement (:func:`load_or_measure`).  Each file records the machine load it was measured under
+(:func:`decoding.measurement.machine_load`), and every reuse is logged with the file, its age and
+that load.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from core.io import atomic_write_json, sha256_json
+from decoding.measurement import busy, load_text, machine_load, reuse_line
 from decoding.tree import DraftTree
 from decoding.verify import crop_cache, model_device, prefill, verify_tree
 
@@ -49,6 +52,8 @@ class CostModel:
     repeats: int
     path: str | None = None
     measured_at: float | None = None
+    load: dict[str, Any] | None = None  # decoding.measurement.machine_load() when measured
+    reused: bool = False  # read from the cache file rather than measured by this run
 
     def verify_seconds(self, n: int) -> float:
         """c(n) in seconds: piecewise-linear interpolation over the grid, linear extrapolation
@@ -69,7 +74,8 @@ class CostModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {"sizes": self.sizes, "verify_ms": self.verify_ms, "key": self.key, "context_tokens": self.context_tokens,
-                "repeats": self.repeats, "path": self.path, "measured_at": self.measured_at}
+                "repeats": self.repeats, "path": self.path, "measured_at": self.measured_at, "load": self.load,
+                "reused": self.reused}
 
 
 def check_grid(sizes: Sequence[int] | None, where: str = "eval.tree_grid") -> list[int]:
@@ -119,8 +125,13 @@ def measure_verify_ms(model, sizes: Sequence[int], context_tokens: int = 256, re
     times: list[list[float]] = [[] for _ in trees]
     # rounds over the whole grid (round 0 is a warm-up), so that a burst of load from other
     # processes hits every size alike instead of inflating the few sizes timed during it
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=(int(repeats) + 1) * len(trees), unit="forward", desc="measuring c(n)", mininterval=1.0,
+               dynamic_ncols=True)
     for r in range(int(repeats) + 1):
         for j, tree in enumerate(trees):
+            bar.update(1)
             crop_cache(cache, past)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -130,6 +141,7 @@ def measure_verify_ms(model, sizes: Sequence[int], context_tokens: int = 256, re
                 torch.cuda.synchronize(dev)
             if r:
                 times[j].append(now() - t0)
+    bar.close()
     out = [1000.0 * sorted(t)[len(t) // 2] for t in times]
     crop_cache(cache, past)
     return out
@@ -162,15 +174,21 @@ def load_or_measure(model, identity, root: str | Path, sizes: Sequence[int], con
         try:
             d = json.loads(path.read_text())
             if d.get("key") == key:
-                return CostModel(sizes=list(d["sizes"]), verify_ms=list(d["verify_ms"]), key=key,
-                                 context_tokens=int(d["context_tokens"]), repeats=int(d["repeats"]), path=str(path),
-                                 measured_at=d.get("measured_at"))
+                cm = CostModel(sizes=list(d["sizes"]), verify_ms=list(d["verify_ms"]), key=key,
+                               context_tokens=int(d["context_tokens"]), repeats=int(d["repeats"]), path=str(path),
+                               measured_at=d.get("measured_at"), load=d.get("load"), reused=True)
+                log.info(reuse_line("cost model c(n)", path, cm.measured_at, cm.load))
+                return cm
         except (ValueError, KeyError, TypeError):
             log.warning("cost model %s unreadable; measuring again", path)
     log.info("measuring c(n) for n in %s at context %d on %s (%s, %d threads)", grid, context_tokens, key["device"],
              key["dtype"], key["threads"])
+    load = machine_load()  # the load the measurement is taken under (reported on every reuse)
+    if busy(load):
+        log.warning("measuring c(n) on a busy machine (%s): the cost model is cached in %s; delete it and measure "
+                    "again on a quiet machine for timing runs", load_text(load), path)
     ms = measure_verify_ms(model, grid, context_tokens, repeats)
     cm = CostModel(sizes=grid, verify_ms=ms, key=key, context_tokens=int(context_tokens), repeats=int(repeats),
-                   path=str(path), measured_at=time.time())
+                   path=str(path), measured_at=time.time(), load=load)
     atomic_write_json(path, cm.to_dict())
     return cm

@@ -3,7 +3,8 @@
 One drafter forward yields S slot distributions over V+1 classes (class V = blank).  The tree is
 built as METHODS.md §2.6 "Inference" and §2.5 "Rec. (lossless)" prescribe:
 
-1. top-k per slot (``topk[s]`` candidates for slot s, the blank allowed);
+1. top-k per slot (``topk[s]`` candidates for slot s, the blank allowed; ties to the lower class
+   id, :func:`decoding.ranking.topk_stable`);
 2. a *sparse rank-tree*: alignments c_1..c_S (one candidate per slot) are enumerated best-first
    by the product of their slot probabilities (sum of log-probs), without enumerating the full
    Π_s topk[s] lattice;
@@ -26,6 +27,7 @@ from typing import Sequence
 import torch
 
 from decoding.masks import additive_mask
+from decoding.ranking import topk_stable
 from decoding.tree import DraftTree
 from decoding.verify import crop_cache
 
@@ -92,17 +94,24 @@ def _tree_from_candidates(root_token: int, top_logp, top_ids, blank: int, max_no
     paths: list[list[int]] = []
     scores: list[float] = []
     seen_nodes: set[tuple[int, ...]] = set()
+    cut: float | None = None  # the score at which max_nodes - 1 distinct nodes were first seen
     for n_done, (score, alignment) in enumerate(best_alignments(top_logp, top_ids), start=1):
+        if cut is not None and score < cut:
+            break
         path = ctc_collapse(alignment, blank)
         if path:
             paths.append(path)
             scores.append(score)
             for d in range(1, len(path) + 1):
                 seen_nodes.add(tuple(path[:d]))
-        # Alignments arrive best first, so the first max_nodes-1 distinct trie nodes seen are the
-        # best-scoring ones: nothing enumerated later can enter the capped tree.
-        if len(seen_nodes) >= max_nodes - 1 or n_done >= max_alignments:
+        # Alignments arrive best first, so once max_nodes-1 distinct trie nodes are seen nothing
+        # that scores lower can enter the capped tree; alignments tied with the cut still can (by
+        # depth and canonical order, decoding.ranking), so they are enumerated too: the capped
+        # tree is then the best max_nodes of every tree drafted with a larger cap.
+        if n_done >= max_alignments:
             break
+        if cut is None and len(seen_nodes) >= max_nodes - 1:
+            cut = score
     return DraftTree.from_paths(root_token, paths, scores=scores, max_nodes=max_nodes)
 
 
@@ -129,7 +138,7 @@ def build_ctc_trees(slot_logits: torch.Tensor, root_tokens: Sequence[int], topk:
     ks = expand_topk(topk, s)
     kmax = min(max(ks), c)
     logp = torch.log_softmax(slot_logits.detach().float(), dim=-1)
-    vals, ids = logp.topk(kmax, dim=-1)  # [A, S, kmax], sorted descending
+    vals, ids = topk_stable(logp, kmax, dim=-1)  # [A, S, kmax], sorted descending, ties to the lower id
     blank = c - 1
     if d2t is not None:  # draft index → base id; the blank becomes -1 (no token id is negative)
         if d2t.numel() != c - 1:
@@ -214,15 +223,31 @@ class CTCDrafter:
         self._next_tokens = [int(t) for t in prompt_ids.reshape(-1)[1:].tolist()]
 
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """After verification: root + accepted tokens [A+1] and their features [A+1, H]."""
-        self._feats = hidden.detach()
-        self._next_tokens = [int(t) for t in tokens.reshape(-1)[1:].tolist()]
+        """After verification: root + accepted tokens [A+1] and their features [A+1, H].
+
+        When the step's draft ran no forward (a root-only budget), the pairs still pending from
+        before are kept and completed by the root ``tokens[0]``; the next draft runs them all."""
+        toks = [int(t) for t in tokens.reshape(-1).tolist()]
+        if self._feats is not None:  # nothing drafted since the last accept: extend the pending pairs
+            self._feats = torch.cat([self._feats, hidden.detach().to(self._feats.device, self._feats.dtype)])
+            self._next_tokens = self._next_tokens + toks
+        else:
+            self._feats = hidden.detach()
+            self._next_tokens = toks[1:]
 
     @torch.no_grad()
-    def draft(self, root_token: int) -> DraftTree:
-        """Propose the verification tree rooted at ``root_token`` (one slot forward)."""
+    def draft(self, root_token: int, max_depth: int | None = None, max_nodes: int | None = None) -> DraftTree:
+        """Propose the verification tree rooted at ``root_token`` (one slot forward).
+
+        With a root-only budget (``max_nodes`` = 1 — the drafter's own or the one passed — or
+        ``max_depth`` = 0) no forward runs and none is counted: the root alone, ``drafter_passes``
+        0, and the pending context pairs wait for the next draft.  Otherwise the tree keeps at
+        most ``min(self.max_nodes, max_nodes)`` nodes."""
         if self._feats is None:
             raise RuntimeError("CTCDrafter.draft called before start()")
+        cap = self.max_nodes if max_nodes is None else min(self.max_nodes, int(max_nodes))
+        if cap <= 1 or (max_depth is not None and max_depth < 1):
+            return DraftTree([int(root_token)], [-1], [0], drafter_passes=0)
         head = self.head
         p = self._param()
         feats = self._feats.to(device=p.device, dtype=p.dtype)
@@ -246,4 +271,4 @@ class CTCDrafter:
         crop_cache(self.cache, t + 1)
         logits = head.slot_logits(out)[0]  # [S, V+1] ([S, N+1] over a draft vocabulary)
         d2t = head.d2t if head.draft_vocab_size is not None else None
-        return build_ctc_tree(logits, int(root_token), self.topk, self.max_nodes, self.max_alignments, d2t)
+        return build_ctc_tree(logits, int(root_token), self.topk, cap, self.max_alignments, d2t)

@@ -33,6 +33,7 @@ import torch
 
 from decoding.falcon import CommittedFeatures, DraftKVCache
 from decoding.masks import additive_mask
+from decoding.ranking import as_float32, topk_stable
 
 
 class Eagle3Drafter(CommittedFeatures):
@@ -87,12 +88,22 @@ class Eagle3Drafter(CommittedFeatures):
             ``(log-probs [K, k], target ids [K, k])`` on the CPU.
         """
         lp = torch.log_softmax(self.head.draft_logits(h), dim=-1)
-        vals, idx = lp.topk(min(self.topk, lp.shape[-1]), dim=-1)
+        vals, idx = topk_stable(lp, min(self.topk, lp.shape[-1]))  # ties to the lower id, the same at every topk
         return vals.cpu(), self.head.to_base_ids(idx).cpu()
 
     @torch.no_grad()
-    def draft(self, root_token: int):
-        """A dynamic :class:`decoding.tree.DraftTree` rooted at ``root_token`` (= x_n)."""
+    def draft(self, root_token: int, max_depth: int | None = None, max_nodes: int | None = None):
+        """A dynamic :class:`decoding.tree.DraftTree` rooted at ``root_token`` (= x_n).
+
+        The tree keeps the best T = ``total_tokens`` draft nodes (T = min(``total_tokens``,
+        ``max_nodes`` − 1) with a node budget), drafted at most ``min(depth, max_depth)`` deep.  An
+        expansion pass runs only while one of the nodes it expands can still have a child among
+        the best T (fewer than T − 1 drafted nodes score above it; so never deeper than T), and
+        none runs for T = 0 or ``max_depth`` = 0: those passes could not change the tree, and are
+        neither run nor counted.  Expansion picks the ``topk`` best frontier nodes by
+        :func:`decoding.ranking.node_order`'s rule, so the tree at a budget n equals a tree drafted
+        at a larger budget cut to its best n nodes.
+        """
         from decoding.tree import DraftTree
 
         if self.feats is None:
@@ -101,6 +112,11 @@ class Eagle3Drafter(CommittedFeatures):
         n = len(self.tokens)
         if self.feats.shape[0] != n:
             raise RuntimeError(f"drafter state out of sync: {n} tokens, {self.feats.shape[0]} features")
+        keep = self.total_tokens if max_nodes is None else min(self.total_tokens, int(max_nodes) - 1)
+        depth = self.depth if max_depth is None else min(self.depth, int(max_depth))
+        if keep < 1 or depth < 1:  # the root alone: no pass can contribute
+            self.last_passes = 0
+            return DraftTree.from_parents([int(root_token)], [-1], drafter_passes=0)
         dev, dtype = self._device, head.compute_dtype
         c = min(self.kv_len, n)
         self.cache.crop(c)
@@ -118,12 +134,22 @@ class Eagle3Drafter(CommittedFeatures):
         anc_slots: list[list[int]] = [[]]  # cache slots of the node's expanded ancestors (root excluded), and its own
         vals, ids = self._topk(out[-1:], [0])
         vals, ids = vals.tolist(), ids.tolist()
+        # canonical position key of each node (decoding.ranking): the sibling ranks from the root,
+        # siblings by descending score, ties in the drafter's top-k order (DraftTree.from_paths)
+        canon: list[tuple[int, ...]] = [()]
         frontier = []
         for r in range(len(vals[0])):
             node_tok.append(ids[0][r]); parents.append(0); scores.append(vals[0][r]); depth_of.append(1)
             producer.append((0, 0)); anc_slots.append([]); frontier.append(len(node_tok) - 1)
-        for d in range(1, self.depth):
-            chosen = sorted(frontier, key=lambda u: (-scores[u], u))[: self.topk]
+        _rank_children(canon, frontier, scores, ())
+        for d in range(1, depth):
+            s32 = as_float32(scores)
+            chosen = sorted(frontier, key=lambda u: (-s32[u], canon[u]))[: self.topk]
+            # a child ranks below its parent and everything above it: unless the best node to expand
+            # has fewer than T - 1 drafted nodes above it (node_order's rule), no child can enter
+            best = (-s32[chosen[0]], d, canon[chosen[0]])
+            if sum(1 for v in range(1, len(s32)) if (-s32[v], depth_of[v], canon[v]) < best) >= keep - 1:
+                break
             K = len(chosen)
             base_len = self.cache.get_seq_length()
             rows, cols = [], []
@@ -146,11 +172,23 @@ class Eagle3Drafter(CommittedFeatures):
             frontier = []
             for b, u in enumerate(chosen):
                 su, pr = scores[u], (len(outs) - 1, b)
+                kids = []
                 for r in range(len(vals[b])):
                     node_tok.append(ids[b][r]); parents.append(u); scores.append(su + vals[b][r])
                     depth_of.append(d + 1); producer.append(pr); anc_slots.append(None); frontier.append(len(node_tok) - 1)
+                    kids.append(len(node_tok) - 1)
+                _rank_children(canon, kids, scores, canon[u])
         self.cache.crop(n - 1)
         self.kv_len = n - 1
         self.last_passes = passes
-        return DraftTree.from_parents(node_tok, parents, scores=scores, max_nodes=self.total_tokens + 1,
-                                      drafter_passes=passes)
+        return DraftTree.from_parents(node_tok, parents, scores=scores, max_nodes=keep + 1, drafter_passes=passes)
+
+
+def _rank_children(canon: list, kids: list[int], scores: list[float], parent_key: tuple[int, ...]) -> None:
+    """Append the canonical keys of one node's children (``kids`` in the drafter's top-k order,
+    node ids in creation order) to ``canon``: parent key + sibling rank, siblings by descending
+    score, ties by creation order (as :meth:`decoding.tree.DraftTree.from_paths` orders them)."""
+    order = sorted(kids, key=lambda c: (-scores[c], c))
+    rank = {c: r for r, c in enumerate(order)}
+    for c in kids:
+        canon.append(parent_key + (rank[c],))

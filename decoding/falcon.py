@@ -60,6 +60,7 @@ from typing import Any, Sequence
 import torch
 
 from decoding.masks import additive_mask
+from decoding.ranking import as_float32, topk_stable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,8 +332,21 @@ class FalconDrafter(CommittedFeatures):
         return self.head.layers[0].mlp.down_proj.weight.device
 
     @torch.no_grad()
-    def draft(self, root_token: int):
-        """Draft a :class:`decoding.tree.DraftTree` rooted at ``root_token`` (= x_n)."""
+    def draft(self, root_token: int, max_depth: int | None = None, max_nodes: int | None = None):
+        """Draft a :class:`decoding.tree.DraftTree` rooted at ``root_token`` (= x_n).
+
+        Args:
+            root_token: x_n.
+            max_depth: only depths ≤ this are verified (the remaining token budget): the template
+                is cut there and no pass beyond it runs (0: the root alone, no pass).
+            max_nodes: only the tree's best ``max_nodes`` nodes (root incl.; the dynamic budget
+                n*, :class:`decoding.tree_search.ScoreBudgetDrafter`) are kept: a tree pass runs only
+                if one of its block creators can still have a child among them (fewer than
+                ``max_nodes`` − 2 drafted nodes score above it), and ``max_nodes`` = 1 runs none.
+
+        Passes not run are not counted (``drafter_passes``, ``last_passes``); the nodes they would
+        produce are left out of the tree.
+        """
         from decoding.tree import DraftTree
 
         if self.feats is None:
@@ -342,7 +356,8 @@ class FalconDrafter(CommittedFeatures):
         if self.feats.shape[0] != n:
             raise RuntimeError(f"drafter state out of sync: {n} tokens, {self.feats.shape[0]} features")
         self.steps += 1
-        if n < k or t.num_nodes == 1:
+        budget = None if max_nodes is None else int(max_nodes) - 1  # draft nodes the tree keeps
+        if n < k or t.num_nodes == 1 or (max_depth is not None and max_depth < 1) or (budget is not None and budget < 1):
             self.last_passes = 0
             return DraftTree.from_parents([int(root_token)], [-1], drafter_passes=0)
         dev, dtype = self._device, head.compute_dtype
@@ -363,7 +378,7 @@ class FalconDrafter(CommittedFeatures):
         K = t.top_k
         block_feats: dict[int, torch.Tensor] = {0: out[0, -k:]}
         lp = torch.log_softmax(head.draft_lm_head(out[0, -k:]).float(), dim=-1)  # [k, N]: draft vocabulary
-        top_lp, top_id = lp.topk(K, dim=-1)
+        top_lp, top_id = topk_stable(lp, K)  # ties to the lower id, the same ranks at every K
         top_id = head.to_base_ids(top_id)  # d2t: draft index → base id
         # candidates as Python lists ([slot][rank]): the tree is assembled in Python, and one
         # tolist() per pass replaces a tensor element read per node
@@ -384,6 +399,11 @@ class FalconDrafter(CommittedFeatures):
 
         assign(0)
         for j, creators in enumerate(self._creators, start=1):
+            if max_depth is not None and j * k + 1 > max_depth:
+                break  # pass j produces depths jk+1..(j+1)k: none would be verified
+            if budget is not None and not self._can_enter(creators, [u for q in self._pass_nodes[:j] for u in q],
+                                                          node_score, t.depths, budget):
+                break  # no child of this pass (nor of a later one) can be among the best max_nodes
             base_len = cache.get_seq_length()
             nb = len(creators)
             feats = torch.stack([block_feats[t.anchor(u)] for u in creators])  # [nb, k, H]
@@ -413,7 +433,7 @@ class FalconDrafter(CommittedFeatures):
                      additive_mask(vis, dtype)[None, None], cache=cache)[0].view(nb, k, -1)
             passes += 1
             lp = torch.log_softmax(head.draft_lm_head(o).float(), dim=-1)
-            top_lp, top_id = lp.topk(K, dim=-1)
+            top_lp, top_id = topk_stable(lp, K)
             top_lp, top_id = top_lp.tolist(), head.to_base_ids(top_id).tolist()
             for b, u in enumerate(creators):
                 block_feats[u] = o[b]
@@ -425,4 +445,21 @@ class FalconDrafter(CommittedFeatures):
         self.kv_lens[align] = n - k
         self.last_passes = passes
         self.total_passes += passes
-        return DraftTree.from_parents(node_tok, t.parents, scores=node_score, drafter_passes=passes)
+        deepest = passes * k if max_depth is None else min(passes * k, int(max_depth))
+        m = sum(1 for d in t.depths if d <= deepest)  # template nodes are depth-sorted: the drafted prefix
+        return DraftTree.from_parents(node_tok[:m], t.parents[:m], scores=node_score[:m], drafter_passes=passes)
+
+    @staticmethod
+    def _can_enter(creators: list[int], drafted: list[int], score: list[float], depths: list[int], budget: int) -> bool:
+        """Whether a child of one of ``creators`` can be among the ``budget`` best draft nodes
+        (:func:`decoding.ranking.node_order`): a child ranks below its creator and below every
+        node that ranks above the creator, so it can enter only when fewer than ``budget`` − 1
+        of the ``drafted`` nodes rank above some creator: score strictly above, or the same score at
+        a smaller depth (a lower bound on the creator's rank: a tie at the same depth is counted as
+        not above, so a pass is never skipped that could contribute)."""
+        sc = as_float32([score[u] for u in drafted])
+        dep = [depths[u] for u in drafted]
+        for c, dc in zip(as_float32([score[u] for u in creators]), [depths[u] for u in creators]):
+            if sum(1 for v, dv in zip(sc, dep) if v > c or (v == c and dv < dc)) < budget - 1:
+                return True
+        return False

@@ -7,7 +7,9 @@ Loop (METHODS.md §0 tree attention, §4.1 greedy verification, §5.1 metrics):
 3. the tree is trimmed to what can still be emitted (:func:`trim_tree`): with R tokens left
    in the ``max_new_tokens`` budget, depths > R − 1 are dropped (accepting R − 1 drafts plus the
    bonus token already fills the budget), and no node goes past the context limit
-   (``max_position_embeddings``; prompt + budget beyond it is refused before decoding);
+   (``max_position_embeddings``; prompt + budget beyond it is refused before decoding).  A
+   drafter that takes draft limits is told that depth first and runs no pass beyond it
+   (:func:`draft_tree`);
 4. one base forward verifies the tree (:func:`decoding.verify.verify_tree`); the root and the
    accepted path stay in the KV cache, the accepted tokens and the bonus token are emitted up to
    the first eos;
@@ -48,6 +50,13 @@ class Drafter(Protocol):
     - optional ``reset()``: called before ``start`` for every prompt.
     - optional ``feature_layers``: list of hidden-state ids; ``hidden`` in ``start``/``accept`` is
       then [hs[ℓ] for ℓ in feature_layers] concatenated ([n, len·H]) instead of hs[-1].
+    - optional draft limits (a ``draft`` that takes the keywords): ``draft(root_token, max_depth=D,
+      max_nodes=M)`` (either may be None) — only nodes at depth ≤ D will be verified, and only the
+      tree's best M nodes (root incl., :func:`decoding.ranking.node_order`) will be kept.  The
+      drafter then runs no pass that could only produce nodes outside these limits, and does not
+      count it in ``drafter_passes``: it drafts as it would with its depth capped at D (nodes it
+      returns deeper than D are trimmed), and may leave out nodes that cannot be among the best M
+      (:func:`draft_tree`).
     """
 
     def start(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None: ...
@@ -65,6 +74,30 @@ class Decoder(Protocol):
     names to numbers (or lists of numbers)."""
 
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]: ...
+
+
+def takes_draft_limits(drafter) -> bool:
+    """Whether ``drafter.draft`` takes the ``max_depth`` / ``max_nodes`` keywords (:class:`Drafter`)."""
+    import inspect
+
+    try:
+        params = inspect.signature(drafter.draft).parameters
+    except (TypeError, ValueError):
+        return False
+    return "max_depth" in params and "max_nodes" in params
+
+
+def draft_tree(drafter, root_token: int, max_depth: int | None = None, max_nodes: int | None = None,
+               takes_limits: bool | None = None) -> DraftTree:
+    """``drafter.draft(root_token)`` with the draft limits passed when the drafter takes them
+    (:func:`takes_draft_limits`, or ``takes_limits`` when the caller knows), so that passes whose
+    nodes the tree cannot use (beyond the remaining token budget, outside a node budget) are
+    neither run nor counted."""
+    if takes_limits is None:
+        takes_limits = takes_draft_limits(drafter)
+    if takes_limits:
+        return drafter.draft(root_token, max_depth=max_depth, max_nodes=max_nodes)
+    return drafter.draft(root_token)
 
 
 class SpeculativeDecoder:
@@ -129,21 +162,22 @@ class SpeculativeDecoder:
         if hasattr(drafter, "reset"):
             drafter.reset()
         drafter.start(prompt_ids, hidden)
+        limits = takes_draft_limits(drafter)
         stats["drafter_seconds"] += time.perf_counter() - td
         while root not in eos and len(out) < max_new_tokens:
-            td = time.perf_counter()
-            tree = drafter.draft(root)
-            stats["drafter_seconds"] += time.perf_counter() - td
-            if not isinstance(tree, DraftTree):
-                raise TypeError(f"drafter.draft returned {type(tree).__name__}, expected decoding.tree.DraftTree")
-            if tree.root_token != root:
-                raise ValueError(f"drafted tree's root token {tree.root_token} is not the last emitted token {root}")
             # the root sits at position P = cache length; depth d at P + d.  R = max_new_tokens −
             # len(out) tokens remain: a depth-(R−1) draft plus its bonus token fill the budget.
             past = cache.get_seq_length()
             max_depth = max_new_tokens - len(out) - 1
             if limit is not None:
                 max_depth = min(max_depth, limit - 1 - past)
+            td = time.perf_counter()
+            tree = draft_tree(drafter, root, max_depth=max_depth, takes_limits=limits)
+            stats["drafter_seconds"] += time.perf_counter() - td
+            if not isinstance(tree, DraftTree):
+                raise TypeError(f"drafter.draft returned {type(tree).__name__}, expected decoding.tree.DraftTree")
+            if tree.root_token != root:
+                raise ValueError(f"drafted tree's root token {tree.root_token} is not the last emitted token {root}")
             tree = trim_tree(tree, max_depth)
             tv = time.perf_counter()
             res = verify_tree(self.base_model, cache, tree, **({"layers": layers} if layers else {}))

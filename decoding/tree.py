@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 import torch
 
 from decoding.masks import additive_mask
+from decoding.ranking import node_order
 
 
 class TreeError(ValueError):
@@ -181,7 +182,8 @@ class DraftTree:
                 Default: earlier paths are better.  A node's score is the best score of the paths
                 through it, so an ancestor never scores below its descendants.
             max_nodes: keep at most this many nodes including the root: the best-scoring nodes,
-                ties broken by smaller depth then first appearance (always ancestor-closed).
+                ties broken by smaller depth then canonical order (:func:`decoding.ranking.node_order`;
+                ancestor-closed when scores never increase down a path, as a path's best score does).
             max_depth: truncate every path to this many tokens.
             drafter_passes: recorded on the tree for reports.
 
@@ -224,22 +226,25 @@ class DraftTree:
                 else:
                     best[child] = max(best[child], s)
                 node = child
-        keep = list(range(len(tok)))
-        if max_nodes is not None and len(tok) > max_nodes:
-            ranked = sorted(range(1, len(tok)), key=lambda i: (-best[i], dep[i], i))
-            keep = [0] + sorted(ranked[: max_nodes - 1])
-        kept = set(keep)
-        # canonical order: BFS, siblings by (-score, insertion order)
+        # canonical order of the whole trie: BFS, siblings by (-score, insertion order)
         order: list[int] = []
         frontier = [0]
         while frontier:
             order.extend(frontier)
             nxt: list[int] = []
             for node in frontier:
-                ch = [c for c in kids[node].values() if c in kept]
+                ch = list(kids[node].values())
                 ch.sort(key=lambda c: (-best[c], c))
                 nxt.extend(ch)
             frontier = nxt
+        if max_nodes is not None and len(tok) > max_nodes:
+            # the budget keeps the best nodes by decoding.ranking's one rule (score, depth, canonical
+            # order), so a trie cut to n here equals a larger one cut to n by tree_search.truncation_order
+            canon = [0] * len(tok)
+            for pos, o in enumerate(order):
+                canon[o] = pos
+            kept = {0, *node_order(best, dep, canon)[: max_nodes - 1]}
+            order = [o for o in order if o in kept]  # the canonical order of a subtree is the restriction
         new_index = {old: new for new, old in enumerate(order)}
         tokens = torch.tensor([tok[o] for o in order], dtype=torch.long)
         parents = torch.tensor([-1] + [new_index[par[o]] for o in order[1:]], dtype=torch.long)

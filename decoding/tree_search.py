@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from decoding.ranking import node_order
+from decoding.speculative import draft_tree, trim_tree
 from decoding.tree import DraftTree, TreeError
 
 RankPath = tuple[int, ...]
@@ -195,14 +197,15 @@ def greedy_path(tree: DraftTree, continuation: Sequence[int]) -> list[int]:
 
 
 def truncation_order(tree: DraftTree) -> list[int]:
-    """Non-root nodes best first by draft score (ties: smaller depth, then canonical order) —
-    the order in which ``DraftTree.from_paths(max_nodes=...)`` keeps nodes; every prefix of it is
-    ancestor-closed when scores never increase down a path (cumulative log-probabilities)."""
+    """Non-root nodes best first by draft score (ties: smaller depth, then canonical order: the
+    one rule of :func:`decoding.ranking.node_order`) — the order in which
+    ``DraftTree.from_paths(max_nodes=...)`` keeps nodes, so a tree cut to its n best nodes here is
+    the tree drafted with a budget of n; every prefix of it is ancestor-closed when scores never
+    increase down a path (cumulative log-probabilities)."""
     n = tree.num_nodes
     if tree.scores is None:
         return list(range(1, n))
-    sc, dep = tree.scores.tolist(), tree.depths.tolist()
-    return sorted(range(1, n), key=lambda i: (-sc[i], dep[i], i))
+    return node_order(tree.scores.tolist(), tree.depths.tolist())
 
 
 @dataclass
@@ -458,13 +461,19 @@ class ScoreBudgetDrafter(_DrafterWrapper):
             raise AttributeError(name)
         return getattr(self.drafter, name)
 
-    def draft(self, root_token: int) -> DraftTree:
-        tree = self.drafter.draft(root_token)
-        if tree.num_nodes <= self.max_nodes:
+    def draft(self, root_token: int, max_depth: int | None = None, max_nodes: int | None = None) -> DraftTree:
+        """The wrapped drafter's tree (drafted with depth cap ``max_depth`` and the node budget, so
+        it runs no pass whose nodes the cut drops), cut to its best ``min(self.max_nodes,
+        max_nodes)`` nodes among those at depth ≤ ``max_depth``."""
+        budget = self.max_nodes if max_nodes is None else min(self.max_nodes, int(max_nodes))
+        tree = draft_tree(self.drafter, root_token, max_depth=max_depth, max_nodes=budget)
+        if max_depth is not None:
+            tree = trim_tree(tree, max_depth)
+        if tree.num_nodes <= budget:
             return tree
         if tree.scores is None:
             raise TreeError(f"{type(self.drafter).__name__} drafts trees without scores: no dynamic budget possible")
-        keep = [0] + sorted(truncation_order(tree)[: self.max_nodes - 1])
+        keep = [0] + sorted(truncation_order(tree)[: budget - 1])
         index = {old: new for new, old in enumerate(keep)}
         par = tree.parents.tolist()
         orphan = next((u for u in keep[1:] if par[u] not in index), None)
@@ -484,7 +493,7 @@ class RootOnlyDrafter:
     def start(self, prompt_ids, hidden) -> None:
         """Nothing to set up: no head runs."""
 
-    def draft(self, root_token: int) -> DraftTree:
+    def draft(self, root_token: int, max_depth: int | None = None, max_nodes: int | None = None) -> DraftTree:
         """The one-node tree ``[root_token]``, built with 0 drafter passes."""
         return DraftTree([int(root_token)], [-1], [0], drafter_passes=0)
 
@@ -503,7 +512,7 @@ class RecordingDrafter(_DrafterWrapper):
         self.trees = []
         super().reset()
 
-    def draft(self, root_token: int) -> DraftTree:
-        tree = self.drafter.draft(root_token)
+    def draft(self, root_token: int, max_depth: int | None = None, max_nodes: int | None = None) -> DraftTree:
+        tree = draft_tree(self.drafter, root_token, max_depth=max_depth, max_nodes=max_nodes)
         self.trees.append(tree)
         return tree

@@ -37,6 +37,13 @@ def make_figure(report: dict[str, Any]):
     m = report["method"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
     acc = m.get("acceptance_per_depth")
+    probe = (report.get("tree") or {}).get("probe") or {}
+    title_tail = ""
+    if not acc and probe.get("acceptance_per_depth"):  # the root alone: plot what the head gave at the probe tree
+        acc = probe["acceptance_per_depth"]
+        m = {"acceptance_per_depth": acc, "tau": probe.get("measured_tau"),
+             "conditional_acceptance_per_depth": probe.get("conditional_acceptance_per_depth")}
+        title_tail = f"\nat the {probe['nodes']}-node probe tree (eval.tree chose the root alone)"
     summary = m.get("decoder_summary") or {}
     layers = sorted(int(k[len("exits_l"):]) for k in summary if k.startswith("exits_l") and k[7:].isdigit())
     if acc:
@@ -44,13 +51,15 @@ def make_figure(report: dict[str, Any]):
         ax1.bar(depths, [a or 0.0 for a in acc], color="tab:blue", edgecolor="black", linewidth=0.6,
                 label="accepted / proposed at depth d")
         cond = m.get("conditional_acceptance_per_depth") or []
-        ax1.plot(depths, [c if c is not None else float("nan") for c in cond], "o-", color="tab:orange",
-                 label="conditional: given depths < d accepted")
+        if len(cond) == len(depths):
+            ax1.plot(depths, [c if c is not None else float("nan") for c in cond], "o-", color="tab:orange",
+                     label="conditional: given depths < d accepted")
         ax1.set_ylim(0, 1.25)
         ax1.set_xticks(depths)
         ax1.legend(loc="upper right", fontsize=8)
         tau = m.get("tau")
-        ax1.set_title(f"acceptance per draft depth  (τ={tau:.2f}, bonus incl.)" if tau else "acceptance per draft depth")
+        ax1.set_title((f"acceptance per draft depth  (τ={tau:.2f}, bonus incl.)" if tau else "acceptance per draft depth")
+                      + title_tail, fontsize=10 if title_tail else None)
         ax1.set_xlabel("draft depth d")
         ax1.set_ylabel("acceptance rate")
     elif layers and summary.get("new_tokens"):
@@ -69,7 +78,7 @@ def make_figure(report: dict[str, Any]):
                       f"{fmt(summary.get('rejection_rate'))}\nlayer steps/token {fmt(summary.get('layer_steps_per_token'))}"
                       f" (vanilla {summary.get('vanilla_layer_steps_per_token')})", fontsize=10)
     else:
-        ax1.text(0.5, 0.5, "no per-depth acceptance\n(non-tree decoder)", ha="center", va="center")
+        ax1.text(0.5, 0.5, no_acceptance_text(report), ha="center", va="center", fontsize=9)
         ax1.set_title("acceptance per draft depth")
     sp = [p["speedup"] for p in report["per_prompt"] if p.get("speedup")]
     ax2.hist(sp, bins=min(20, max(1, len(sp))), color="tab:green", edgecolor="black", linewidth=0.6)
@@ -82,3 +91,20 @@ def make_figure(report: dict[str, Any]):
     fig.suptitle(f"{report['head_type']}{variant} — {report['num_prompts']} prompts, parity {parity_text(report)}")
     fig.tight_layout()
     return fig
+
+
+def no_acceptance_text(report: dict[str, Any]) -> str:
+    """Why a report has no per-depth acceptance, named for its decoder: a tree decoder whose every
+    verified tree was the root alone (eval.tree's choice, a budget of 1), a tree decoder that drafted
+    nothing, or a decoder that drafts no tree at all (an early-exit decoder without exits, a custom one)."""
+    m = report.get("method") or {}
+    totals = m.get("totals") or {}
+    head = str(report.get("head_type") or report.get("decoder") or "the decoder")
+    if "tree_nodes" in totals:  # a tree decoder (decoding.speculative.SpeculativeDecoder)
+        chosen = ((report.get("tree") or {}).get("chosen") or {})
+        if int(chosen.get("nodes") or 0) == 1:
+            why = "eval.tree chose the root alone" + (" (tree_fallback)" if chosen.get("fallback") else "")
+        else:
+            why = "no verified tree held a draft token"
+        return f"{head}: no draft token was proposed\n({why}; τ = 1 by construction)"
+    return f"no per-depth acceptance\n({head} drafts no token tree)"

@@ -27,7 +27,9 @@ class Prompt:
 
     ``category`` is the record's ``category`` field (MT-bench; None when absent); ``follow_ups``
     the record's later user turns (MT-bench ``turns[1:]``, decoded with ``eval.turns`` > 1, see
-    :mod:`evaluation.turns`); ``turn`` the 1-based user turn this prompt ends in.
+    :mod:`evaluation.turns`); ``turn`` the 1-based user turn this prompt ends in; ``rendering``
+    how its tokens were built: ``template`` (the chat template over the messages), ``extended``
+    or ``re-rendered`` (a later turn, :func:`evaluation.turns.follow_up_prompt`).
     """
 
     id: str
@@ -36,6 +38,7 @@ class Prompt:
     category: str | None = None
     follow_ups: tuple[str, ...] = ()
     turn: int = 1
+    rendering: str = "template"
 
 
 def _follow_ups(rec: dict, field: str | None, where: str) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ import torch
 from core.config import to_container
 from evaluation.breakdown import group_table, timing_spread
 from evaluation.metrics import TAU_CONVENTION, summarize_method
+from evaluation.status import phases_line
 
 
 def parity_text(report: dict[str, Any]) -> str:
@@ -97,7 +98,20 @@ def tree_line(tree: dict[str, Any] | None) -> str:
     if tree and tree.get("applied"):
         fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
         line += f"; measured tau {fmt(tree.get('measured_tau'))}, speedup {fmt(tree.get('measured_speedup'))}x"
+        line += probe_text(tree.get("probe"))
     return line
+
+
+def probe_text(probe: dict[str, Any] | None) -> str:
+    """``; at the 4-node probe tree (...): tau 1.40, speedup 0.95x, parity 8/8`` or ``""``."""
+    if not probe:
+        return ""
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    par = probe.get("parity") or {}
+    depth = f", depth {probe['depth']}" if (probe.get("depth") or -1) > 0 else ""
+    return (f"\nprobe: at the {probe['nodes']}-node probe tree{depth} ({probe.get('shape')}) the head gives tau "
+            f"{fmt(probe.get('measured_tau'))}, speedup {fmt(probe.get('measured_speedup'))}x, parity "
+            f"{par.get('matched', '-')}/{par.get('total', '-')}")
 
 
 def format_summary(report: dict[str, Any]) -> str:
@@ -130,6 +144,8 @@ def format_summary(report: dict[str, Any]) -> str:
         f"tokens/s: vanilla {fmt(v['tokens_per_s'], '{:.1f}')}, method {fmt(m.get('tokens_per_s'), '{:.1f}')}  "
         f"speedup {fmt(report.get('speedup'), '{:.2f}')}x  (drafter time share {fmt(m.get('drafter_time_share'), '{:.2f}')})",
         tree_line(report.get("tree")),
+        *[f"WARNING: {w}" for w in (report.get("tree") or {}).get("warnings") or []],
+        phases_line(report.get("phases")),
         f"report: {report['output_dir']}/report.json",
     ]
     return "\n".join(lines)

@@ -33,8 +33,10 @@ from evaluation.divergence import Accountant, add_accounting, failing_ids
 from evaluation.methods import build_decoder, checkpoint_label, resolve_device, row_consistent_products, variant_configs
 from evaluation.plots import plot
 from evaluation.progress import Progress, absolute_paths, progress_fingerprint, prompt_digest
+from evaluation.probe import ProbeTallies
 from evaluation.prompts import load_prompts
 from evaluation.report import build_report
+from evaluation.status import plan_phases, run_status, skipped_turn
 from evaluation.summary import summary_markdown, summary_row
 from evaluation.turns import follow_up_prompt, length_bound, turns_to_run
 
@@ -96,8 +98,32 @@ def _decode_prompt(p, reference, decoders, max_new: int, device, repeats: int = 
     return rec
 
 
-@torch.no_grad()
 def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
+    """Run the evaluation described by ``cfg`` and write the outputs (:func:`_evaluate`).
+
+    The reports are written on every exit path: when decoding stops in the middle (an exception
+    in a decoder, KeyboardInterrupt), ``report.json`` / ``summary.*`` hold every prompt turn
+    decoded so far (``complete`` false, ``error`` the reason, ``pending_prompts``), then the
+    exception propagates; ``resume=auto`` continues from ``progress.jsonl``.
+    """
+    state: dict[str, Any] = {}
+    try:
+        return _evaluate(cfg, base, decoder, state)
+    except BaseException as exc:
+        finish = state.get("finish")
+        if finish is not None and not state.get("written"):
+            try:
+                out_dir = finish(error=exc)
+                log.error("evaluation stopped (%s: %s); the %d prompt turn(s) decoded are reported in %s; "
+                          "run again with resume=auto to continue", type(exc).__name__, exc, state.get("decoded", 0),
+                          out_dir)
+            except Exception as inner:  # noqa: BLE001 — never mask the original failure
+                log.error("could not write the partial report: %s: %s", type(inner).__name__, inner)
+        raise
+
+
+@torch.no_grad()
+def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str, Any]:
     """Run the evaluation described by ``cfg`` and write the outputs.
 
     Per prompt, vanilla greedy decoding runs once, then every method variant (``eval.variants``,
@@ -176,18 +202,26 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
                             budget_key="eval.max_new_tokens")
         for t in range(2, turns_to_run(turns, p) + 1):  # later turns: bound with max_new_tokens answers
             n = length_bound(tokenizer, p, t, int(ev.max_new_tokens))
+            if n is None:  # the template cannot render this turn: skipped (with its reason) when it comes
+                break
             check_context_limit(model, n - int(ev.max_new_tokens), int(ev.max_new_tokens),
                                 what=f"eval prompt {p.id!r} turn {t} (earlier answers at their longest): ",
                                 budget_key="eval.max_new_tokens")
     # eval.tree=auto|dynamic: cost model + held-out calibration -> each tree head's tree (before anything is written)
     from evaluation.tree_auto import plan_tree
 
+    t_plan = time.perf_counter()
     methods = [(name, vcfg, *plan_tree(vcfg, dec, info, model, identity, tokenizer, prompts, eos_ids))
                for name, vcfg, dec, info in methods]
+    phases = plan_phases(methods, time.perf_counter() - t_plan)
     for m in methods:
         m[3]["row_consistent_layers"] = len(row_padded)
-    # bf16 / fp16 greedy: every divergence from vanilla is accounted for (near tie or real error)
-    accountant = Accountant.for_run(cfg, model, tokenizer, [m[2] for m in methods])
+    # eval.tree chose the root alone: the head is also decoded at a small probe tree (evaluation.probe)
+    probe_owners = [j for j, m in enumerate(methods) if "probe_decoder" in m[3]]
+    decoders = [m[2] for m in methods] + [methods[j][3].pop("probe_decoder") for j in probe_owners]
+    probes = ProbeTallies(probe_owners, len(methods))
+    # bf16 / fp16 greedy: every divergence from vanilla (methods and probes) is accounted for (near tie or real error)
+    accountant = Accountant.for_run(cfg, model, tokenizer, decoders)
     out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, methods[0][3])
     out_dir.mkdir(parents=True, exist_ok=True)
     # refuses (before anything is written) when out_dir holds results and resume is not auto
@@ -200,8 +234,8 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
 
     for _ in range(int(ev.get("warmup") or 0)):  # untimed: allocator, kernels, lazy imports
         reference(prompts[0].input_ids, min(8, max_new))
-        for m in methods:
-            m[2].generate(prompts[0].input_ids, min(8, max_new))
+        for d in decoders:
+            d.generate(prompts[0].input_ids, min(8, max_new))
 
     if progress.records:
         log.info("resuming: %d prompt turn(s) already decoded in %s", len(progress.records), progress.path)
@@ -210,25 +244,50 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     repeats = int(ev.get("repeats") or 1)
     last_ref: list[int] = []
 
+    skipped_turns: list[dict[str, Any]] = []
+
     def units():  # every prompt's turns in order; turn k > 1 is built from turn k-1's vanilla answer
         for q in prompts:
             unit = q
             for t in range(1, turns_to_run(turns, q) + 1):
                 if t > 1:
-                    unit = follow_up_prompt(tokenizer, unit, last_ref, eos_ids)
+                    try:
+                        unit = follow_up_prompt(tokenizer, unit, last_ref, eos_ids)
+                        check_context_limit(model, int(unit.input_ids.numel()), max_new,
+                                            what=f"eval prompt {unit.id!r}: ", budget_key="eval.max_new_tokens")
+                    except ValueError as exc:  # PromptError included: this turn has no correct prompt
+                        skipped_turns.append(skipped_turn(q.id, t, turns_to_run(turns, q), exc))
+                        log.warning("skipping %s: %s", ", ".join(skipped_turns[-1]["ids"]), exc)
+                        break  # the later turns follow this one's answer
                 yield unit
 
     done = []
+    t_decode = time.perf_counter()
+
+    def finish(error: BaseException | None = None):
+        """Write report.json / acceptance.png per method and summary.*; returns the result (after a
+        failure: the output directory).  Raises ParityError for a finished run with mismatches."""
+        tallied = done[:len(acc[0]["rows"])]  # a prompt in flight has no result yet
+        state["decoded"] = len(tallied)
+        phases["decoding_seconds"] = time.perf_counter() - t_decode
+        status = run_status(error, prompts, tallied, done[len(tallied)] if len(done) > len(tallied) else None, phases)
+        return _write_outputs(out_dir, methods, acc, identity, device, model, ev, tallied, skipped + skipped_turns,
+                              max_new, eos_ids, van_tokens, van_seconds, van_forwards, status, state,
+                              raise_on_mismatch=error is None, probes=probes)
+
+    state["finish"] = finish
     for i, p in enumerate(units()):
         done.append(p)
         rec = progress.records.get(p.id)
         if rec is not None and rec.get("prompt_sha256") != prompt_digest(p.input_ids):
             raise ValueError(f"{progress.path}: prompt {p.id!r} is not the prompt these results were decoded for "
                              "(the prompt file changed); evaluate into another eval.output_dir")
+        if rec is not None and len(rec["methods"]) != len(decoders):
+            rec = None  # decoded with(out) a probe tree this run does not (does): decode it again
         if rec is None:
-            rec = _decode_prompt(p, reference, [m[2] for m in methods], max_new, device, repeats)
+            rec = _decode_prompt(p, reference, decoders, max_new, device, repeats)
             if accountant is not None:
-                accountant.annotate(rec, p.input_ids, [m[2] for m in methods])
+                accountant.annotate(rec, p.input_ids, decoders)
             progress.append(rec)
         ref, vstats, v_sec = rec["vanilla"]["tokens"], rec["vanilla"]["stats"], rec["vanilla"]["seconds"]
         last_ref[:] = ref
@@ -264,23 +323,46 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
             log.info("[%d] %s%s: %d tokens, tau=%s, %s", i + 1, p.id, f" [{name}]" if name else "",
                      len(out), f"{row['tau']:.2f}" if row["tau"] else "-",
                      "sampled" if match is None else "match" if match else f"MISMATCH at {first_diff}")
+        probes.add(p.id, rec, temperature == 0)
 
+    return finish()
+
+
+def _write_outputs(out_dir, methods, acc, identity, device, model, ev, done, skipped, max_new, eos_ids, van_tokens,
+                   van_seconds, van_forwards, status, state, raise_on_mismatch=True, probes=None):
+    """The run's outputs from the per-prompt tallies: per method ``report.json`` + ``acceptance.png``,
+    and ``summary.json`` / ``summary.md``; ``status`` (:func:`run_status`) goes into each report.
+    Returns the result of :func:`run_evaluation` (with ``raise_on_mismatch`` False, after a
+    failure: the output directory)."""
     vanilla = {"tokens": van_tokens, "seconds": van_seconds, "tokens_per_s": van_tokens / van_seconds if van_seconds else None,
                "base_forwards_per_token": van_forwards / van_tokens if van_tokens else None}
-    reports = {}
-    for (name, vcfg, dec, info), a in zip(methods, acc):
+    reports, probe_failed = {}, {}
+    for j, ((name, vcfg, dec, info), a) in enumerate(zip(methods, acc)):
         vdir = out_dir / name if name else out_dir
         vdir.mkdir(parents=True, exist_ok=True)
         rep = build_report(info, identity, device, model, vcfg.eval, done, skipped, max_new, eos_ids, vanilla,
                       a["stats"], a["seconds"], a["tokens"], a["rows"], dec, vdir)
-        add_accounting(rep)  # parity.mode: exact (fp32) | accounting (bf16: near ties vs real errors)
+        add_accounting(rep)  # bf16: parity.mode = accounting (near ties vs real errors); fp32 parity stays exact
+        rep.update(status)
+        measured = probes.summary(j, vanilla) if probes is not None else None
+        if measured is not None and (rep.get("tree") or {}).get("probe") is not None:
+            rep["tree"]["probe"] = {**rep["tree"]["probe"], **measured}
+            if measured["parity"]["mismatched_ids"]:
+                probe_failed[name] = [f"{i} (probe tree)" for i in measured["parity"]["mismatched_ids"]]
+        if status["complete"] and rep.get("tree"):  # measured far from predicted: say which cache to delete
+            from evaluation.tree_auto import prediction_warnings
+
+            rep["tree"]["warnings"] = prediction_warnings(rep["tree"])
+            for w in rep["tree"]["warnings"]:
+                log.warning("%s%s", f"[{name}] " if name else "", w)
         if name:
             rep["variant"] = name
             save_config(vcfg, vdir)
         atomic_write_json(vdir / "report.json", rep)
         atomic_write_bytes(vdir / "acceptance.png", plot(rep))
         reports[name] = rep
-    failed = {n: failing_ids(r) for n, r in reports.items() if failing_ids(r)}
+    failed = {n: failing_ids(r) + probe_failed.get(n, []) for n, r in reports.items()
+              if failing_ids(r) or probe_failed.get(n)}
     unstable = {n: r["timing"]["nonidentical_ids"] for n, r in reports.items() if r["timing"]["nonidentical_ids"]}
     rows = [summary_row(n, r) for n, r in reports.items()]
     if methods[0][0] is None:
@@ -289,6 +371,9 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         result = {"variants": reports, "output_dir": str(out_dir)}
     atomic_write_json(out_dir / "summary.json", {"vanilla": vanilla, "variants": rows})
     atomic_write_text(out_dir / "summary.md", summary_markdown(rows))
+    state["written"] = True
+    if not raise_on_mismatch:
+        return out_dir
     if (failed or unstable) and ev.get("fail_on_mismatch", True):
         where = "; ".join(f"{n + ': ' if n else ''}ids {', '.join(ids)}" for n, ids in failed.items())
         where += "".join(f"; {n + ': ' if n else ''}repeats decoded other tokens on ids {', '.join(ids)}"

@@ -41,7 +41,12 @@ def summary_row(name: str | None, report: dict[str, Any]) -> dict[str, Any]:
             "drafter_time_share": m.get("drafter_time_share"),
             "tree": tree_summary(report.get("tree")),
             "parity": parity_text(report),
-            "decoder_summary": m.get("decoder_summary")}
+            "decoder_summary": m.get("decoder_summary"),
+            "complete": report.get("complete", True), "error": report.get("error"),
+            "stopped_at": report.get("stopped_at"), "pending_prompts": len(report.get("pending_prompts") or []),
+            "skipped": [{"ids": s.get("ids") or [s["id"]], "reason": s.get("reason")}
+                        for s in report.get("skipped_prompts") or []],
+            "phases": report.get("phases")}
 
 
 def tree_summary(tree: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -49,9 +54,12 @@ def tree_summary(tree: dict[str, Any] | None) -> dict[str, Any] | None:
     if not tree or not tree.get("applied"):
         return None
     c = tree["chosen"]
+    probe = tree.get("probe")
     return {"mode": tree["mode"], "nodes": c["nodes"], "depth": c.get("depth"), "predicted_tau": tree["predicted_tau"],
             "measured_tau": tree.get("measured_tau"), "predicted_speedup": tree["predicted_speedup"],
-            "measured_speedup": tree.get("measured_speedup")}
+            "measured_speedup": tree.get("measured_speedup"),
+            "probe": None if not probe else {k: probe.get(k) for k in ("nodes", "depth", "shape", "measured_tau",
+                                                                         "measured_speedup", "parity")}}
 
 
 def _f(x, fmt="{:.2f}") -> str:
@@ -115,6 +123,7 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
                      + " | ".join(_f(a) for a in acc[:3])
                      + f" | {_f(r.get('base_forwards_per_token'), '{:.3f}')} | {trees}{_f(r.get('drafter_time_share'))} | "
                        f"{speedup_text(r)} | " + ("" if timed else f"{tree_text(tree)} | ") + f"{parity} |")
+    lines += status_lines(rows)
     exits = [r for r in rows if (r.get("decoder_summary") or {}).get("early_exit_rate") is not None]
     if exits:  # layer-skipping heads (AdaDecode) have no τ: their early exits, as decoded in the τ runs
         lines += ["", "## Early exits (τ runs)", "",
@@ -140,6 +149,40 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
                 cells.append("-" if g is None else f"{_f(g['tau'])} / {_f(g['speedup'])}")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def status_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown lines under the main table: an incomplete run (where it stopped, why, how to go on),
+    the skipped prompts and turns with their reasons, and each row's time per phase."""
+    out: list[str] = []
+    for r in rows:
+        name = r.get("variant") or r.get("head_type") or "-"
+        if r.get("complete") is False:
+            out += ["", f"**{name}: incomplete** — stopped at {r.get('stopped_at') or '-'} ({r.get('error')}); "
+                        f"{r.get('pending_prompts', 0)} prompt(s) not reached; run again with `resume=auto` to continue."]
+    for r in rows:
+        tree = r.get("tree") or {}
+        if tree.get("nodes") == 1:  # the root alone verifies no draft: say so, and what the head gives at the probe
+            name = r.get("variant") or r.get("head_type") or "-"
+            p = tree.get("probe")
+            line = f"**{name}: eval.tree={tree.get('mode')} chose the root alone** — no draft token was verified (τ 1 by construction), so this row does not test the head."
+            if p:
+                par = p.get("parity") or {}
+                line += (f" At the {p['nodes']}-node probe tree ({p.get('shape')}) on the same prompts the head gives "
+                         f"τ {_f(p.get('measured_tau'))}, speedup {_f(p.get('measured_speedup'))}×, parity "
+                         f"{par.get('matched', '-')}/{par.get('total', '-')}.")
+            out += ["", line]
+    skipped = {(tuple(s["ids"]), s["reason"]) for r in rows for s in r.get("skipped") or []}
+    if skipped:
+        out += ["", "## Skipped prompts and turns", ""]
+        out += [f"- {', '.join(ids)}: {reason}" for ids, reason in sorted(skipped)]
+    timed = [r for r in rows if r.get("phases")]
+    if timed:
+        from evaluation.status import phases_line
+
+        out += ["", "## Time", ""] + [f"- {r.get('variant') or r.get('head_type') or '-'}: "
+                                      f"{phases_line(r['phases'])[len('time: '):]}" for r in timed]
+    return out
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -52,6 +53,7 @@ from omegaconf import OmegaConf
 
 from core.io import atomic_write_json, sha256_file, sha256_json
 from decoding.cost_model import CostModel, check_grid, load_or_measure
+from decoding.measurement import machine_load, reuse_line
 from decoding.speculative import SpeculativeDecoder
 from decoding.tree_search import (AcceptanceStats, RecordingDrafter, RootOnlyDrafter, ScoreBudgetDrafter,
                                   choose_budget, choose_rank_tree)
@@ -106,21 +108,40 @@ def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:
     return out
 
 
-def calibrate(model, drafter, prompts, max_new_tokens: int, eos_ids, budget_sizes) -> AcceptanceStats:
+def calibrate(model, drafter, prompts, max_new_tokens: int, eos_ids, budget_sizes, stats: AcceptanceStats | None = None,
+              done: int = 0, on_prompt: Callable[[int, AcceptanceStats], None] | None = None,
+              desc: str = "calibrating") -> AcceptanceStats:
     """Decode ``prompts`` with ``drafter`` (lossless speculative decoding) and replay every drafted
     tree against the greedy continuation that followed its root (module doc).  The last step of
-    each prompt is replayed only as far as the continuation reaches."""
+    each prompt is replayed only as far as the continuation reaches.
+
+    Args:
+        stats, done: resume: the statistics of ``prompts[:done]`` (prompts are independent, so the
+            result equals one uninterrupted pass).
+        on_prompt: called as ``on_prompt(k, stats)`` after the k-th prompt (1-based) was added,
+            e.g. to persist partial statistics; an exception it raises stops the calibration.
+        desc: the progress bar's label (tqdm on stderr: prompts done, ETA, tokens/s).
+    """
+    from tqdm.auto import tqdm
+
     rec = RecordingDrafter(drafter)
     dec = SpeculativeDecoder(model, rec, eos_ids)
-    stats = AcceptanceStats(budget_sizes=list(budget_sizes))
-    for p in prompts:
-        out, st = dec.generate(p.input_ids, max_new_tokens)
-        pos = 0
-        for tree, emitted in zip(rec.trees, st["emitted_per_step"]):
-            stats.add_step(tree, out[pos + 1:])
-            pos += emitted
-        stats.drafter_passes += int(st["drafter_passes"])
-        stats.drafter_seconds += float(st["drafter_seconds"])
+    stats = stats if stats is not None else AcceptanceStats(budget_sizes=list(budget_sizes))
+    tokens, t0 = 0, time.perf_counter()
+    with tqdm(total=len(prompts), initial=done, unit="prompt", desc=desc, mininterval=1.0, dynamic_ncols=True) as bar:
+        for k in range(done, len(prompts)):
+            out, st = dec.generate(prompts[k].input_ids, max_new_tokens)
+            pos = 0
+            for tree, emitted in zip(rec.trees, st["emitted_per_step"]):
+                stats.add_step(tree, out[pos + 1:])
+                pos += emitted
+            stats.drafter_passes += int(st["drafter_passes"])
+            stats.drafter_seconds += float(st["drafter_seconds"])
+            tokens += len(out)
+            bar.update(1)
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f} tokens/s", refresh=False)
+            if on_prompt is not None:
+                on_prompt(k + 1, stats)
     return stats
 
 
@@ -142,9 +163,11 @@ def drafter_cost(model, drafter, prompts, max_new_tokens: int, eos_ids) -> dict[
     """The drafter's measured cost on ``prompts`` at the current thread count: ``{"passes": P,
     "seconds": S, "prompts": n}`` (seconds of drafter forwards, from the decoder's own
     ``drafter_seconds``; the outputs are lossless speculative decoding and are discarded)."""
+    from tqdm.auto import tqdm
+
     dec = SpeculativeDecoder(model, drafter, eos_ids)
     passes, seconds = 0, 0.0
-    for p in prompts:
+    for p in tqdm(prompts, unit="prompt", desc="timing the drafter", mininterval=1.0, dynamic_ncols=True):
         _, st = dec.generate(p.input_ids, max_new_tokens)
         passes += int(st["drafter_passes"])
         seconds += float(st["drafter_seconds"])
@@ -168,12 +191,25 @@ def _ctc_setup(head, ev) -> dict[str, Any]:
     return {"calibration_kwargs": {"max_nodes": max(grid)}}
 
 
+def _tree_budgets(stats: AcceptanceStats, ev) -> dict[int, float]:
+    """τ(n) of the budgets auto / dynamic may choose: n ≥ 2 only, since a budget of 1 drafts
+    nothing (no drafter pass: vanilla decoding, which only ``eval.tree_fallback`` chooses,
+    :func:`vanilla_fallback`); n = 1 stays when ``eval.tree_nodes`` = 1 asks for it or the grid has
+    nothing else."""
+    tau = stats.budget_tau()
+    trees = {n: t for n, t in tau.items() if n >= 2}
+    return tau if (ev.get("tree_nodes") is not None and int(ev.tree_nodes) == 1) or not trees else trees
+
+
 def _falcon_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[dict, dict, Callable | None]:
     per_pass = stats.drafter_seconds_per_pass() or 0.0
     k = setup["k"]
     if ev.tree == "dynamic":
         passes_per_step = stats.drafter_passes / stats.steps if stats.steps else 0.0
-        choice = choose_budget(stats.budget_tau(), cost.verify_seconds, passes_per_step * per_pass, ev.get("tree_nodes"))
+        # a budget of n keeps nodes no deeper than n - 1: the drafter runs at most ceil((n - 1) / k)
+        # passes for it (none for the root alone; decoding.falcon.FalconDrafter.draft's max_nodes)
+        choice = choose_budget(_tree_budgets(stats, ev), cost.verify_seconds,
+                               lambda n: min(passes_per_step, math.ceil((n - 1) / k)) * per_pass, ev.get("tree_nodes"))
         return (choice.to_dict() | {"max_nodes": choice.nodes}, setup["calibration_kwargs"],
                 lambda d: ScoreBudgetDrafter(d, choice.nodes))
     p = stats.rank_acceptance()
@@ -188,7 +224,9 @@ def _falcon_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[
 
 def _ctc_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[dict, dict, Callable | None]:
     per_step = stats.drafter_seconds / stats.steps if stats.steps else 0.0
-    choice = choose_budget(stats.budget_tau(), cost.verify_seconds, per_step, ev.get("tree_nodes"))
+    # max_nodes = 1 drafts the root alone and runs no slot forward (decoding.ctc.CTCDrafter.draft)
+    choice = choose_budget(_tree_budgets(stats, ev), cost.verify_seconds, lambda n: per_step if n > 1 else 0.0,
+                           ev.get("tree_nodes"))
     return choice.to_dict() | {"max_nodes": choice.nodes}, {"max_nodes": choice.nodes}, None
 
 
@@ -232,7 +270,7 @@ PLANNERS: dict[str, tuple[Callable, Callable]] = {"falcon": (_falcon_setup, _fal
                                                   "eagle3": (_eagle3_setup, _eagle3_choose)}
 
 
-def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts, eos_ids):
+def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts, eos_ids, on_prompt=None):
     """Apply ``eval.tree`` to one method: returns ``(decoder, info)`` with the drafter rebuilt for the
     chosen tree and ``info["tree_choice"]`` (mode, source of the statistics, chosen tree, predicted
     τ and speedup, the cost model).  Unchanged (with a note) for ``config``, non-tree heads and
@@ -241,6 +279,12 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     An explicit ``eval.falcon_tree`` (Falcon) or ``eval.max_nodes`` (CTC) wins over ``auto`` /
     ``dynamic``: that tree is used and the report says so.  The tree is sized for
     ``eval.plan_threads`` threads when set (module doc), else for the run's thread count.
+
+    Calibration shows a progress bar and persists its statistics after every prompt
+    (``<calibration file>.partial.json``, atomic), so an interrupted calibration resumes with
+    the prompts not yet calibrated (``on_prompt``: :func:`calibrate`'s callback, after the
+    persisting).  ``info["tree_choice"]["timing"]``: ``cost_model_seconds`` and
+    ``calibration_seconds`` spent by this call (0 for what was read from a cache).
 
     Raises:
         ValueError: an unknown ``eval.tree``, an empty ``eval.tree_grid``, a ``tree_nodes`` that is not
@@ -277,36 +321,130 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     grid = check_grid(ev.tree_grid)
     max_new = int(ev.get("calibration_max_new_tokens") or ev.max_new_tokens)
     with planning_threads(ev.get("plan_threads")):
+        t0 = time.perf_counter()
         cost = load_or_measure(model, identity, root, grid, int(ev.cost_context_tokens))
-        stats, path, drafter_source = _acceptance_and_cost(cost, setup, head, head_type, info, ev, model, prompts,
-                                                           max_new, eos_ids, grid, root)
+        t1 = time.perf_counter()
+        stats, path, drafter_source, reused = _acceptance_and_cost(cost, setup, head, head_type, info, ev, model, prompts,
+                                                           max_new, eos_ids, grid, root, on_prompt)
+        t2 = time.perf_counter()
+    timing = {"cost_model_seconds": 0.0 if cost.reused else t1 - t0,
+              "calibration_seconds": 0.0 if reused else t2 - t1}
     chosen, kwargs, wrap = choose_fn(setup, stats, cost, ev)
     fallback = vanilla_fallback(ev, chosen, cost)
-    if fallback is not None:  # every tree is predicted slower than vanilla decoding: draft nothing
-        chosen, new = fallback, RootOnlyDrafter()
-    else:
+
+    def drafter_for(kw, wrapper):
         from core.config import to_container
 
         make_kwargs = {k: v for k, v in to_container(ev).items()}
-        make_kwargs.update(kwargs)
+        make_kwargs.update(kw)
         make_kwargs["eos_token_ids"] = list(eos_ids)
-        new = head.make_drafter(model, **make_kwargs)
-        if wrap is not None:
-            new = wrap(new)
+        d = head.make_drafter(model, **make_kwargs)
+        return wrapper(d) if wrapper is not None else d
+
+    if fallback is not None:  # every tree is predicted slower than vanilla decoding: draft nothing
+        chosen, new = fallback, RootOnlyDrafter()
+    else:
+        new = drafter_for(kwargs, wrap)
     decoder.drafter = new
+    probe = None
+    if int(chosen["nodes"]) == 1:  # the root alone tests nothing of the head: also decode at a small fixed tree
+        probe = probe_tree(setup, choose_fn, stats, cost, ev, grid)
+        if probe is not None:
+            info["probe_decoder"] = SpeculativeDecoder(model, drafter_for(probe.pop("kwargs"), probe.pop("wrap")),
+                                                       eos_ids)
     info["tree_choice"] = {
         "mode": mode, "applied": True, "chosen": chosen,
         "statistics": {"source": "calibration", "path": str(path), "held_out_prompts": len(prompts),
                        "steps": stats.steps, "max_new_tokens": max_new, "rank_acceptance": stats.rank_acceptance(),
                        "budget_tau": stats.budget_tau(),
                        "drafter_ms_per_pass": 1000 * (stats.drafter_seconds_per_pass() or 0.0),
-                       "drafter_cost_source": drafter_source, "plan_threads": cost.key["threads"]},
+                       "drafter_cost_source": drafter_source, "plan_threads": cost.key["threads"], "reused": reused},
         "cost_model": cost.to_dict(),
         "predicted_tau": chosen["tau"], "predicted_speedup": chosen["speedup"],
+        "timing": timing,
     }
+    if probe is not None:
+        info["tree_choice"]["probe"] = probe
     log.info("eval.tree=%s for %s: %d nodes, predicted tau %.2f, speedup %.2fx", mode, head_type, chosen["nodes"],
              chosen["tau"], chosen["speedup"])
+    if int(chosen["nodes"]) == 1:
+        log.warning("eval.tree=%s chose the root alone for %s: no draft token is verified (tau 1 by construction), "
+                    "so this tree does not test the head%s", mode, head_type,
+                    f"; the head is also decoded at the {probe['nodes']}-node probe tree (report tree.probe)"
+                    if probe else "")
     return decoder, info
+
+
+PROBE_NODES = 4  # the probe tree's size when eval.tree picks the root alone (the grid size nearest to it)
+
+
+def probe_tree(setup, choose_fn, stats: AcceptanceStats, cost: CostModel, ev, grid) -> dict | None:
+    """The small fixed tree at which the head is also decoded when ``eval.tree`` picks the root alone
+    (issue 31): the root alone verifies no draft token, so τ = 1 says nothing about the head.
+
+    The probe is the best tree of :data:`PROBE_NODES` nodes (the grid size ≥ 2 nearest to it) by
+    the same calibration statistics and cost model (the planner with ``eval.tree_nodes`` fixed:
+    Falcon's rank DP, the CTC / EAGLE-3 / dynamic budget); where the statistics accepted nothing
+    at all, so that even that tree is the root alone (Falcon's DP), the head's own top-1 chain of
+    that many nodes.  It is decoded on the same prompts, interleaved, parity checked; its τ,
+    acceptance and speedup go to ``report["tree"]["probe"]``.
+
+    Returns:
+        ``{"nodes", "depth", "predicted_tau", "predicted_speedup", "shape", "why", "kwargs" (make_drafter
+        overrides), "wrap"}`` (the caller pops ``kwargs`` and ``wrap``), or None when the grid has
+        no size ≥ 2.
+    """
+    from omegaconf import open_dict
+
+    sizes = [int(g) for g in grid if int(g) >= 2]
+    if not sizes:
+        return None
+    n = min(sizes, key=lambda g: (abs(g - PROBE_NODES), g))
+    ev_probe = ev.copy()
+    with open_dict(ev_probe):
+        ev_probe.tree_nodes = n
+        ev_probe.tree_fallback = False
+    chosen, kwargs, wrap = choose_fn(setup, stats, cost, ev_probe)
+    shape = "the best tree of that size by the calibration"
+    if int(chosen["nodes"]) == 1 and "k" in setup:  # Falcon: nothing accepted in calibration -> the top-1 chain
+        k = int(setup["k"])
+        depth = min(n - 1, int(setup["max_depth"]))
+        kwargs = {"falcon_passes": max(1, math.ceil(depth / k)), "falcon_tree": {"paths": [[0] * d for d in
+                                                                                           range(1, depth + 1)]}}
+        chosen, wrap, shape = {"nodes": depth + 1, "depth": depth, "tau": None, "speedup": None}, None, \
+            "the head's top-1 chain (calibration accepted nothing)"
+    return {"nodes": int(chosen["nodes"]), "depth": chosen.get("depth"), "predicted_tau": chosen.get("tau"),
+            "predicted_speedup": chosen.get("speedup"), "shape": shape,
+            "why": "eval.tree chose the root alone, which verifies no draft token (tau 1 by construction): the probe "
+                   f"decodes the same prompts at a {int(chosen['nodes'])}-node tree so the head is tested",
+            "decoding": {k: v for k, v in kwargs.items()}, "kwargs": kwargs, "wrap": wrap}
+
+
+PREDICTION_TOLERANCE = 0.25  # |measured / predicted - 1| beyond this warns (τ and speedup)
+
+
+def prediction_warnings(tree: dict | None) -> list[str]:
+    """Warnings for a measured τ or speedup more than :data:`PREDICTION_TOLERANCE` off what
+    ``eval.tree`` predicted (``report["tree"]`` with ``measured_*``, :func:`evaluation.report.tree_report`),
+    each naming the cache file(s) to delete so that the next run measures again: the calibration
+    for τ (and the drafter cost), the cost model c(n) and the calibration for the speedup."""
+    if not tree or not tree.get("applied") or tree.get("predicted_tau") is None:
+        return []
+    stats_file = (tree.get("statistics") or {}).get("path")
+    cost = tree.get("cost_model") or {}
+    out = []
+    for what, pred, meas, files in (
+            ("tau", tree.get("predicted_tau"), tree.get("measured_tau"), [stats_file]),
+            ("speedup", tree.get("predicted_speedup"), tree.get("measured_speedup"), [cost.get("path"), stats_file])):
+        if not pred or meas is None or abs(meas / pred - 1.0) <= PREDICTION_TOLERANCE:
+            continue
+        reused = " (read from the cache)" if (cost.get("reused") if what == "speedup" else
+                                                (tree.get("statistics") or {}).get("reused")) else ""
+        out.append(f"eval.tree={tree.get('mode')}: measured {what} {meas:.2f} is {meas / pred - 1.0:+.0%} off the "
+                   f"predicted {pred:.2f}{reused}; the measurements it was planned on may not fit this run (another "
+                   f"load, thread count or prompt mix): delete {' and '.join(str(f) for f in files if f)} to measure "
+                   "again")
+    return out
 
 
 def vanilla_fallback(ev, chosen: dict, cost: CostModel) -> dict | None:
@@ -328,13 +466,20 @@ def vanilla_fallback(ev, chosen: dict, cost: CostModel) -> dict | None:
 
 
 def _acceptance_and_cost(cost: CostModel, setup, head, head_type: str, info, ev, model, prompts, max_new: int,
-                         eos_ids, grid, root: Path) -> tuple[AcceptanceStats, Path, str]:
+                         eos_ids, grid, root: Path, on_prompt=None) -> tuple[AcceptanceStats, Path, str, bool]:
     """The head's calibrated :class:`AcceptanceStats` with ``drafter_seconds`` at the cost model's
     thread count, from ``<root>/calibration/`` or measured now (and cached).
 
+    Each file records the machine load it was measured under (calibration and every per-thread
+    drafter cost: :func:`decoding.measurement.machine_load`); every reuse is logged with the file,
+    its age and that load.  A calibration in progress is persisted after every prompt to
+    ``<file>.partial.json`` and resumed from there (same key only); the partial file is removed
+    once the calibration is complete.
+
     Returns:
-        ``(stats, path of the cache file, source of the drafter cost)``: ``"calibration"`` (timed
-        by the calibration pass at this thread count) or ``"timed on N prompts"`` (:func:`drafter_cost`).
+        ``(stats, path of the cache file, source of the drafter cost, reused)``: the source is
+        ``"calibration"`` (timed by the calibration pass at this thread count) or ``"timed on N
+        prompts"`` (:func:`drafter_cost`); ``reused``: nothing was measured now (all from the file).
     """
     ckpt = Path(str(ev.checkpoint))
     key = {"weights": sha256_file(ckpt / "model.safetensors"), "head": info.get("head_config"),
@@ -342,34 +487,64 @@ def _acceptance_and_cost(cost: CostModel, setup, head, head_type: str, info, ev,
            "prompt_tokens": sha256_json([p.input_ids.tolist() for p in prompts]), "max_new_tokens": max_new,
            "device": cost.key["device"], "dtype": cost.key["dtype"]}
     path = root / "calibration" / f"{head_type}-{sha256_json(key)[:16]}.json"
+    partial = path.with_name(path.stem + ".partial.json")
     threads = str(cost.key["threads"])
-    stats, costs, saved = None, {}, None
+    stats, costs, saved, cached = None, {}, None, False
     if path.is_file():
         try:
             saved = json.loads(path.read_text())
             if saved.get("key") == key:
                 stats, costs = AcceptanceStats.from_dict(saved["stats"]), dict(saved.get("drafter_cost") or {})
+                cached = True
+                log.info(reuse_line(f"{head_type} calibration ({stats.steps} steps on {len(prompts)} held-out prompts)",
+                                    path, saved.get("measured_at"), saved.get("load")))
         except (ValueError, KeyError, TypeError):
             stats, costs = None, {}
     if stats is None:
-        log.info("calibrating %s acceptance on %d held-out ShareGPT prompts (max_new_tokens=%d)", head_type,
-                 len(prompts), max_new)
+        done, resumed, load = 0, None, machine_load()
+        if partial.is_file():
+            try:
+                part = json.loads(partial.read_text())
+                if part.get("key") == key and 0 < int(part["done"]) <= len(prompts):
+                    resumed, done, load = AcceptanceStats.from_dict(part["stats"]), int(part["done"]), part.get("load")
+            except (ValueError, KeyError, TypeError):
+                resumed, done = None, 0
+        if resumed is not None:
+            log.info("resuming the %s calibration: %d of %d held-out prompts already calibrated in %s", head_type, done,
+                     len(prompts), partial)
+        else:
+            log.info("calibrating %s acceptance on %d held-out ShareGPT prompts (max_new_tokens=%d)", head_type,
+                     len(prompts), max_new)
+
+        def persist(k: int, st: AcceptanceStats) -> None:  # atomically, so Ctrl-C loses at most the prompt in flight
+            atomic_write_json(partial, {"key": key, "done": k, "stats": st.to_dict(), "load": load})
+            if on_prompt is not None:
+                on_prompt(k, st)
+
         cal = head.make_drafter(model, eos_token_ids=list(eos_ids), **setup["calibration_kwargs"])
-        stats = calibrate(model, cal, prompts, max_new, eos_ids, grid)
+        stats = calibrate(model, cal, prompts, max_new, eos_ids, grid, stats=resumed, done=done, on_prompt=persist,
+                          desc=f"calibrating {head_type}")
         costs = {threads: {"passes": stats.drafter_passes, "seconds": stats.drafter_seconds,
-                           "prompts": len(prompts), "source": "calibration"}}
-        atomic_write_json(path, {"key": key, "stats": stats.to_dict(), "drafter_cost": costs})
+                           "prompts": len(prompts), "source": "calibration", "load": load, "measured_at": time.time()}}
+        atomic_write_json(path, {"key": key, "stats": stats.to_dict(), "drafter_cost": costs, "load": load,
+                                 "measured_at": time.time()})
+        partial.unlink(missing_ok=True)
     elif threads not in costs:
         few = prompts[:DRAFTER_COST_PROMPTS]
         log.info("timing the %s drafter on %d held-out prompts at %s threads", head_type, len(few), threads)
         cal = head.make_drafter(model, eos_token_ids=list(eos_ids), **setup["calibration_kwargs"])
-        costs[threads] = drafter_cost(model, cal, few, max_new, eos_ids) | {"source": f"timed on {len(few)} prompts"}
+        load = machine_load()
+        costs[threads] = drafter_cost(model, cal, few, max_new, eos_ids) | {
+            "source": f"timed on {len(few)} prompts", "load": load, "measured_at": time.time()}
         atomic_write_json(path, {**saved, "drafter_cost": costs})  # the file as read, plus this thread count
+        cached = False
     c = costs[threads]
     source = str(c.get("source", "calibration"))
+    if cached:
+        log.info(reuse_line(f"{head_type} drafter cost at {threads} threads", path, c.get("measured_at"), c.get("load")))
     if c["passes"]:  # the calibration's passes per step, at this thread count's seconds per pass
         stats.drafter_seconds = float(c["seconds"]) / int(c["passes"]) * stats.drafter_passes
-    return stats, path, source
+    return stats, path, source, cached
 
 
 @torch.no_grad()
@@ -438,6 +613,10 @@ def describe(choice: dict | None) -> str:
         b = c["best_tree"]
         return (f"tree: {choice['mode']} -> no tree (eval.tree_fallback: the best, {b['nodes']} nodes, is predicted at "
                 f"{b['speedup']:.2f}x vanilla; decoding drafts nothing, predicted tau 1.00, speedup 1.00x)")
+    if int(c["nodes"]) == 1:
+        return (f"tree: {choice['mode']} -> the root alone: no draft token is verified (tau 1 by construction), so "
+                "this tree does not test the head" + (f"; see the {choice['probe']['nodes']}-node probe tree"
+                                                      if choice.get("probe") else ""))
     shape = f"{c['nodes']} nodes" + (f", depth {c['depth']}" if c.get("depth", -1) >= 0 else " (budget)")
     return (f"tree: {choice['mode']} -> {shape}; predicted tau {choice['predicted_tau']:.2f}, speedup "
             f"{choice['predicted_speedup']:.2f}x (statistics: {choice['statistics']['source']}, "

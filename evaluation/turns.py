@@ -4,12 +4,20 @@ MT-bench's turn 2 is asked after the model's own turn-1 answer.  In a lossless c
 answer is vanilla greedy decoding's (every lossless method produces the same tokens), so turn 2's
 prompt is identical for every method and is built once from the vanilla pass of turn 1.
 
-The prompt is what a chat server with a session KV cache sees: the turn-1 prompt tokens, then
-the answer tokens exactly as generated (a trailing end-of-sequence token dropped, since the
-template closes the assistant turn itself), then the base tokenizer's chat template for the
-rest of the conversation (closing the assistant turn, the next user turn, the generation
-prompt).  The answer is never re-tokenized, so turn 2 contains turn 1's answer token for token;
-the text of the whole prompt equals the template rendered over the decoded answer.
+The prompt is the chat template applied to the conversation so far with the vanilla answers
+(the answer's trailing end-of-sequence token dropped, since the template closes the assistant
+turn itself).  Where the template renders that conversation as an extension of the previous
+turn's prompt followed by the answer verbatim (most templates), the prompt is what a chat server
+with a session KV cache sees: the previous prompt's tokens, then the answer tokens exactly as
+generated, then the template's tokens for the rest (closing the assistant turn, the next user
+turn, the generation prompt) — the answer is never re-tokenized (``rendering`` "extended").
+Where the template rewrites earlier turns (drops or trims earlier content, strips reasoning from
+earlier answers, as several real templates do), no prompt can hold the answer token for token,
+and the prompt is the template's own tokenization of the whole conversation (``rendering``
+"re-rendered").  Either way the text of the prompt equals the template rendered over the decoded
+answers.  Only a turn the template cannot render at all (it raises) has no correct prompt: that
+turn, and the later turns that depend on it, are skipped and listed with the reason
+(:func:`follow_up_prompt` raises :class:`evaluation.prompts.PromptError`).
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ def _render(tokenizer, messages: list[dict[str, str]]) -> str:
 
 
 def follow_up_prompt(tokenizer, prompt: Prompt, answer_tokens: Sequence[int], eos_ids: Sequence[int]) -> Prompt:
-    """The next turn's prompt after ``prompt`` was answered with ``answer_tokens``.
+    """The next turn's prompt after ``prompt`` was answered with ``answer_tokens`` (module doc).
 
     Args:
         tokenizer: the base tokenizer (with the chat template used for ``prompt``).
@@ -42,15 +50,18 @@ def follow_up_prompt(tokenizer, prompt: Prompt, answer_tokens: Sequence[int], eo
 
     Returns:
         A :class:`Prompt` with id :func:`turn_id` ``(base id, turn + 1)``, messages extended by the
-        assistant answer (decoded text) and the next user turn, ``input_ids`` LongTensor [T'] =
-        ``prompt.input_ids`` + answer tokens + template tail, and the remaining ``follow_ups``.
+        assistant answer (decoded text) and the next user turn, and the remaining ``follow_ups``.
+        ``input_ids`` LongTensor [T'] = ``prompt.input_ids`` + answer tokens + template tail when
+        the template extends the previous prompt by the answer verbatim (``rendering`` =
+        "extended"); else the template's tokenization of the whole conversation (``rendering`` =
+        "re-rendered": the template rewrites earlier turns).
 
     Raises:
-        PromptError: ``prompt`` has no follow-up turn, or the chat template does not render the
-            assistant message verbatim after the previous turn (it rewrites history, e.g.
-            strips reasoning or whitespace), so no prompt can contain the answer token for token;
-            the message names the prompt.
+        PromptError: ``prompt`` has no follow-up turn, or the chat template cannot render the
+            conversation (it raises, e.g. a template for single-turn use only) or renders it empty;
+            the message names the turn and the template's error.
     """
+    base_id = prompt.id.rsplit("/turn", 1)[0] if prompt.turn > 1 else prompt.id
     if not prompt.follow_ups:
         raise PromptError(f"prompt {prompt.id!r}: no follow-up turn after turn {prompt.turn}")
     answer = [int(t) for t in answer_tokens]
@@ -58,18 +69,32 @@ def follow_up_prompt(tokenizer, prompt: Prompt, answer_tokens: Sequence[int], eo
     while answer and answer[-1] in eos:
         answer.pop()
     answer_text = tokenizer.decode(answer, skip_special_tokens=False)
-    head_text = _render(tokenizer, prompt.messages)
     messages = list(prompt.messages) + [{"role": "assistant", "content": answer_text},
                                         {"role": "user", "content": prompt.follow_ups[0]}]
-    full_text = _render(tokenizer, messages)
-    base_id = prompt.id.rsplit("/turn", 1)[0] if prompt.turn > 1 else prompt.id
-    if not full_text.startswith(head_text + answer_text):
-        raise PromptError(f"prompt {turn_id(base_id, prompt.turn + 1)!r}: the chat template does not render the "
-                          "turn-1 answer verbatim after the turn-1 prompt, so turn 2 cannot hold it token for token")
-    tail = tokenizer(full_text[len(head_text) + len(answer_text):], add_special_tokens=False)["input_ids"]
-    ids = torch.cat([prompt.input_ids.reshape(-1), torch.tensor(answer + list(tail), dtype=torch.long)])
-    return Prompt(turn_id(base_id, prompt.turn + 1), messages, ids, prompt.category, tuple(prompt.follow_ups[1:]),
-                  prompt.turn + 1)
+    new_id = turn_id(base_id, prompt.turn + 1)
+    try:
+        head_text = _render(tokenizer, prompt.messages)
+        full_text = _render(tokenizer, messages)
+    except Exception as exc:  # noqa: BLE001 — jinja's TemplateError, a template's raise_exception, ...
+        raise PromptError(f"prompt {new_id!r}: the chat template cannot render this conversation "
+                          f"({type(exc).__name__}: {exc})") from exc
+    if full_text.startswith(head_text + answer_text):  # the session-cache prompt: the answer as generated
+        tail = tokenizer(full_text[len(head_text) + len(answer_text):], add_special_tokens=False)["input_ids"]
+        ids = torch.cat([prompt.input_ids.reshape(-1), torch.tensor(answer + list(tail), dtype=torch.long)])
+        rendering = "extended"
+    else:  # the template rewrites earlier turns: its own rendering is the prompt
+        from evaluation.prompts import template
+
+        try:
+            ids = template(tokenizer, messages)
+        except Exception as exc:  # noqa: BLE001
+            raise PromptError(f"prompt {new_id!r}: the chat template cannot tokenize this conversation "
+                              f"({type(exc).__name__}: {exc})") from exc
+        rendering = "re-rendered"
+    if ids.numel() == 0:
+        raise PromptError(f"prompt {new_id!r}: the chat template renders this conversation empty")
+    return Prompt(new_id, messages, ids, prompt.category, tuple(prompt.follow_ups[1:]), prompt.turn + 1,
+                  rendering=rendering)
 
 
 def turns_to_run(setting, prompt: Prompt) -> int:
@@ -85,14 +110,19 @@ def turns_to_run(setting, prompt: Prompt) -> int:
     raise ValueError(f"eval.turns={setting!r}: expected 1, 2 or all")
 
 
-def length_bound(tokenizer, prompt: Prompt, turn: int, max_new_tokens: int) -> int:
+def length_bound(tokenizer, prompt: Prompt, turn: int, max_new_tokens: int) -> int | None:
     """An upper bound on the tokens of ``prompt``'s ``turn`` prompt plus its answer (before any
     decoding): the template rendered with empty assistant answers for the earlier turns, plus
     ``max_new_tokens`` per answered and the generated turn (+1 per turn for a token merge at the
-    answer's edges)."""
+    answer's edges).  None when the template cannot render the conversation (that turn is then
+    skipped with the template's error when it comes: :func:`follow_up_prompt`)."""
     from evaluation.prompts import template
 
     messages = list(prompt.messages)
     for t in prompt.follow_ups[:turn - 1]:
         messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": t}]
-    return int(template(tokenizer, messages).numel()) + turn * (int(max_new_tokens) + 1)
+    try:
+        n = int(template(tokenizer, messages).numel())
+    except Exception:  # noqa: BLE001 — jinja's TemplateError, a template's raise_exception, ...
+        return None
+    return n + turn * (int(max_new_tokens) + 1)

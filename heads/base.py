@@ -127,6 +127,25 @@ class DraftHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.zeros(self.vocab_size, dtype=torch.bool))
             self.register_buffer("draft_index", torch.full((self.vocab_size,), -1, dtype=torch.int64), persistent=False)
+            self.register_load_state_dict_post_hook(DraftHead._rederive_after_load)
+
+    @staticmethod
+    def _rederive_after_load(module: "DraftHead", incompatible_keys) -> None:
+        """After any ``load_state_dict``: the lookups derived from the draft vocabulary (``draft_index``,
+        the frozen rows ``draft_lm_head_weight`` = W[d2t] that score drafts and the soft teachers) are
+        rebuilt from the loaded ``d2t``, never kept from the mapping the head was built with (issue 28).
+        A loaded mapping that is not valid is left to :meth:`check_draft_vocab` (``heads.load``), which
+        raises naming the file."""
+        from heads.draft_vocab import DraftVocab, t2d_index
+
+        try:
+            DraftVocab.from_tensors({"d2t": module.d2t.cpu(), "t2d": module.t2d.cpu()}, module.vocab_size,
+                                    module.draft_vocab_size)
+        except ValueError:
+            return
+        with torch.no_grad():
+            module.draft_index.copy_(t2d_index(module.d2t, module.vocab_size))
+        DraftHead._slice_draft_lm_head(module)  # the base rows only: EAGLE-3 keeps its loaded trainable head
 
     @property
     def num_draft_tokens(self) -> int:

@@ -46,7 +46,7 @@ __all__ = [
 
 
 #: N chosen by ``heads.draft_vocab_size: auto`` (the configs' default) when the base vocabulary is
-#: larger; see the README section "Draft vocabulary" for the measurements behind it.
+#: larger; see docs/draft_vocab.md for the measurements behind it.
 AUTO_SIZE = 16384
 
 

@@ -1,13 +1,18 @@
 """Export a trained head to the layouts serving engines load.
 
-``python -m heads.export CKPT --format sglang|vllm|eagle1 OUT [--base MODEL_PATH]``
+``python -m heads.export CKPT --format sglang|vllm|speculators|eagle1 OUT [--base MODEL_PATH] [--verifier HF_FOLDER_OR_HUB_ID]``
 
-Reads only ``CKPT/config.json`` and ``CKPT/model.safetensors`` (written by :func:`heads.save`)
-and writes ``OUT/config.json`` + ``OUT/model.safetensors`` atomically (a temporary directory
-renamed into place; an existing non-empty ``OUT`` is refused).  Weights are written in fp32.
-No engine runs here; the key schemas below are taken from the engines' loader files (read, not
-imported), and ``tests/test_eagle3_export.py`` rebuilds each drafter from the exported files
-alone and reproduces draftheads' draft logits.
+Reads ``CKPT/config.json`` and ``CKPT/model.safetensors`` (written by :func:`heads.save`) and,
+for ``vllm``/``speculators``, the base's token embedding (one tensor of its HF folder), and
+writes ``OUT/config.json`` + ``OUT/model.safetensors`` atomically (a temporary directory renamed
+into place; an existing non-empty ``OUT`` is refused).  Head weights are written in fp32, the
+embedding in the base's own dtype (bit-identical).  Every check (format, head type, base,
+verifier, embedding) runs before anything is written.  ``config.json["draftheads"]["engines"]``
+states, per engine, the versions the export targets, its layer-id rule, how the embedding is
+handled and the dtype it runs in (:mod:`heads.export_engines`, which also holds the facts read
+from each engine's source).  ``tests/test_eagle3_export.py`` rebuilds each drafter from the
+exported files alone the way each engine's loader reads them; ``tests/test_engines.py``
+(``pytest -m engines``) runs vLLM and speculators on the exports.
 
 Formats
 -------
@@ -17,14 +22,17 @@ Formats
     1``, ``vocab_size`` V, ``draft_vocab_size`` N, ``target_hidden_size`` H (fc input = 3·H),
     ``bias: false`` (SGLang builds ``fc`` with ``bias=getattr(config, "bias", False)``),
     ``tie_word_embeddings: false``, and ``eagle_config.eagle_aux_hidden_state_layer_ids`` =
-    [ℓ−1 for the head's hs ids ℓ] (SGLang's ``set_eagle3_layers_to_capture`` adds 1: an id names a
-    layer's *output*).  Weights: ``midlayer.self_attn.{q,k,v,o}_proj.weight``,
+    [ℓ−1 for the head's hs ids ℓ] (SGLang ≥ 0.4.9's ``set_eagle3_layers_to_capture`` adds 1: an id
+    names a layer's *output*; 0.4.6–0.4.8 ignore ids and build ``fc`` with a bias: not targets).  The
+    top-level ``eagle_aux_hidden_state_layer_ids`` = the hs ids ℓ is written too: vLLM, which also
+    serves this layout, reads that key first and captures the *input* of layer ℓ (with only
+    ``eagle_config``'s ids it would read every feature one layer early).  Weights: ``midlayer.self_attn.{q,k,v,o}_proj.weight``,
     ``midlayer.mlp.{gate,up,down}_proj.weight``, ``midlayer.{input_layernorm,hidden_norm,
     post_attention_layernorm}.weight``, ``fc.weight`` [H, 3H], ``norm.weight``, ``lm_head.weight``
     [N, H], ``d2t`` [N] int64 (target id = d + d2t[d]), ``t2d`` [V] bool.  No ``embed_tokens``:
     the engine shares the target's embedding.  SGLang has no ``norm_before_residual`` switch,
     so a head trained with it is refused for this format.
-``vllm`` (EAGLE-3 head) — vllm-project/speculators ``src/speculators/models/eagle3/config.py``
+``vllm`` = ``speculators`` (EAGLE-3 head) — vllm-project/speculators ``src/speculators/models/eagle3/config.py``
 (``Eagle3SpeculatorConfig``) as read by vLLM ``vllm/transformers_utils/configs/speculators/algos.py``
 (``update_eagle3``) and ``vllm/model_executor/models/llama_eagle3.py`` (``load_weights``):
     config: ``speculators_model_type: eagle3``, ``architectures: [Eagle3Speculator]``,
@@ -33,8 +41,14 @@ Formats
     to **true**, EAGLE-3's layer is false), ``eagle_aux_hidden_state_layer_ids`` = the hs ids ℓ
     (vLLM captures the input of layer ℓ), ``speculators_config`` {``algorithm``,
     ``proposal_methods`` [greedy, ``speculative_tokens`` = ``ttt_steps``],
-    ``default_proposal_method``, ``verifier`` {``name_or_path``, ``architectures``}}.  Weights as
-    ``sglang`` with the prefix ``layers.0.`` instead of ``midlayer.`` (vLLM maps both).
+    ``default_proposal_method``, ``verifier`` {``name_or_path``, ``architectures``}}: ``name_or_path``
+    is an absolute HF folder or a hub id (``--verifier``; default ``--base``, else the training
+    base; a GGUF becomes its converted folder under ``~/.cache/draftheads/models``), never a GGUF
+    or relative path (speculators loads it with ``AutoConfig``).  Weights as ``sglang`` with the
+    prefix ``layers.0.`` instead of ``midlayer.`` (vLLM maps both) and no ``d2t``/``t2d`` for a
+    full-vocabulary head (both engines build no mapping then), plus ``embed_tokens.weight``
+    [V, H], the base's embedding bit for bit (speculators reads the embedding from the export
+    only; vLLM finds it equal to the target's and shares the target's).
 ``eagle1`` (Falcon with ``block_size: 1`` and ``fuse: linear``, i.e. ``heads=falcon_k1``) —
 SGLang ``python/sglang/srt/models/llama_eagle.py`` (``LlamaForCausalLMEagle``):
     config: ``architectures: [LlamaForCausalLMEagle]``, the Llama dims, ``num_hidden_layers`` D,
@@ -55,12 +69,15 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-FORMATS = ("sglang", "vllm", "eagle1")
-_FORMAT_HEADS = "sglang, vllm (heads=eagle3); eagle1 (heads=falcon_k1: falcon with block_size=1, fuse=linear)"
+FORMATS = ("sglang", "vllm", "speculators", "eagle1")
+#: formats holding speculators' Eagle3SpeculatorConfig layout (one layout, named by either engine)
+SPECULATORS_LAYOUT = ("vllm", "speculators")
+_FORMAT_HEADS = ("sglang, vllm, speculators (heads=eagle3); eagle1 (heads=falcon_k1: falcon with block_size=1, "
+                 "fuse=linear)")
 _LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
                "rope_scaling", "attention_bias", "mlp_bias", "initializer_range")
@@ -128,16 +145,21 @@ def check_base(meta: dict[str, Any], base: str | None) -> None:
         raise ExportError(f"--base {base}: GGUF sha256 {sha[:12]}… differs from the training base's {trained['sha256'][:12]}…")
 
 
-def _eagle3_weights(meta, state, prefix: str) -> dict[str, torch.Tensor]:
+def _eagle3_weights(meta, state, prefix: str, mapping_if_full: bool = True) -> dict[str, torch.Tensor]:
+    """The EAGLE-3 tensors under the engines' names.  ``mapping_if_full=False`` (speculators
+    layout): no ``d2t``/``t2d`` for a full-vocabulary head, since speculators and vLLM build no
+    mapping when ``draft_vocab_size`` = V (speculators reports them unexpected; vLLM has no
+    parameter to load them into)."""
     from heads.draft_vocab import d2t_offsets, t2d_mask
 
     V = int(meta["base"]["vocab_size"])
     # absolute base ids per draft index: the shared ``d2t`` buffer (DraftHead), arange(V) without a draft vocabulary
     ids = state["d2t"].long() if "d2t" in state else torch.arange(V, dtype=torch.int64)
     out = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
-           "lm_head.weight": state["trainable_lm_head.weight"],
-           "d2t": d2t_offsets(ids),  # the engines' offsets: target id = d + d2t[d]
-           "t2d": t2d_mask(ids, V)}
+           "lm_head.weight": state["trainable_lm_head.weight"]}
+    if mapping_if_full or ids.numel() != V:
+        out.update(d2t=d2t_offsets(ids),  # the engines' offsets: target id = d + d2t[d]
+                   t2d=t2d_mask(ids, V))
     for k, v in state.items():
         if k.startswith("midlayer."):
             out[prefix + k[len("midlayer."):]] = v
@@ -151,16 +173,26 @@ def _eagle3_config(meta) -> dict[str, Any]:
             "draft_vocab_size": N, "target_hidden_size": int(bc["hidden_size"]), "tie_word_embeddings": False}
 
 
-def build_export(meta: dict[str, Any], state: dict[str, torch.Tensor], fmt: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def build_export(meta: dict[str, Any], state: dict[str, torch.Tensor], fmt: str,
+                 engine_inputs: Callable[[], tuple[str, torch.Tensor]] | None = None,
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(config, tensors)`` of format ``fmt`` for a checkpoint (module docstring).
 
+    ``engine_inputs() -> (verifier, embedding)`` is required for ``vllm`` / ``speculators`` and
+    called once the head checks passed: the verifier (an absolute HF folder or hub id,
+    :func:`heads.export_engines.resolve_verifier`) and the base's token embedding [V, H].
+    ``config["draftheads"]["engines"]`` is filled for the EAGLE-3 formats.
+
     Raises:
-        ExportError: unknown format, or the head has no such format.
+        ExportError: unknown format, the head has no such format, or a ``vllm``/``speculators``
+            export without ``engine_inputs``.
     """
+    from heads.export_engines import engine_metadata
+
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: formats are {', '.join(FORMATS)}")
     head_type, head = meta["head_type"], meta["head"]
-    if fmt in ("sglang", "vllm"):
+    if fmt in ("sglang",) + SPECULATORS_LAYOUT:
         if head_type != "eagle3":
             raise ExportError(f"--format {fmt} exports an eagle3 head; this checkpoint holds a {head_type!r} head "
                               f"(formats: {_FORMAT_HEADS})")
@@ -170,10 +202,18 @@ def build_export(meta: dict[str, Any], state: dict[str, torch.Tensor], fmt: str)
             if head.get("norm_before_residual"):
                 raise ExportError("--format sglang: SGLang's LlamaForCausalLMEagle3 takes the residual before "
                                   "hidden_norm; this head was trained with norm_before_residual=true (use --format vllm)")
+            if "midlayer.self_attn.q_proj.bias" in state:
+                raise ExportError("--format sglang: SGLang's LlamaForCausalLMEagle3 builds qkv_proj without a bias; "
+                                  "this head's attention has one (use --format vllm)")
             cfg.update(architectures=["LlamaForCausalLMEagle3"], bias=False,
                        eagle_config={"eagle_aux_hidden_state_layer_ids": [l - 1 for l in layers],
-                                     "use_aux_hidden_state": True})
+                                     "use_aux_hidden_state": True},
+                       eagle_aux_hidden_state_layer_ids=layers,  # vLLM reads this key first (hs ids)
+                       draftheads={"engines": engine_metadata(fmt, layers, None)})
             return cfg, _eagle3_weights(meta, state, "midlayer.")
+        if engine_inputs is None:
+            raise ExportError(f"--format {fmt}: needs the verifier (an HF folder or hub id) and the base's embedding")
+        verifier, embedding = engine_inputs()
         layer_cfg = {k: v for k, v in cfg.items() if k not in ("draft_vocab_size", "target_hidden_size")}
         layer_cfg["architectures"] = ["LlamaForCausalLM"]
         out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -184,9 +224,13 @@ def build_export(meta: dict[str, Any], state: dict[str, torch.Tensor], fmt: str)
                                       "proposal_methods": [{"proposal_type": "greedy",
                                                             "speculative_tokens": int(head["ttt_steps"]),
                                                             "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                                      "verifier": {"name_or_path": meta["base"].get("source"),
-                                                   "architectures": [meta["base"].get("architecture")]}}}
-        return out, _eagle3_weights(meta, state, "layers.0.")
+                                      "verifier": {"name_or_path": verifier,
+                                                   "architectures": [meta["base"].get("architecture")]}},
+               "dtype": "float32",
+               "draftheads": {"engines": engine_metadata(fmt, layers, verifier)}}
+        tensors = _eagle3_weights(meta, state, "layers.0.", mapping_if_full=False)
+        tensors["embed_tokens.weight"] = embedding
+        return out, tensors
     # eagle1
     if head_type != "falcon" or int(head.get("block_size", 0)) != 1 or head.get("fuse") != "linear":
         what = head_type if head_type != "falcon" else f"falcon (block_size={head.get('block_size')}, fuse={head.get('fuse')})"
@@ -202,28 +246,56 @@ def build_export(meta: dict[str, Any], state: dict[str, torch.Tensor], fmt: str)
     return cfg, tensors
 
 
-def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str | None = None) -> Path:
+def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str | None = None,
+           verifier: str | None = None) -> Path:
     """Write ``out/config.json`` and ``out/model.safetensors`` in format ``fmt`` (module docstring).
+
+    ``base``: the serving target's ``model.path`` (checked against the training base);
+    ``verifier``: what ``vllm``/``speculators`` exports record as the verifier (an HF folder,
+    made absolute, or a hub id; default ``base``, else the training base).
 
     Raises:
         FileNotFoundError / ExportError: see :func:`read_checkpoint`, :func:`check_base`,
-        :func:`build_export`; ExportError also when ``out`` exists and is not an empty directory.
-        Nothing is written before every check passed.
+        :func:`build_export`; ExportError also when ``out`` exists and is not an empty directory,
+        the verifier / the base's embedding cannot be resolved, or a weight holds NaN / ±inf (names the
+        tensor).  Nothing is written before every check passed.
     """
     from safetensors.torch import save_file
 
     from core.io import make_tmp_dir
+    from heads.export_engines import VerifierError, base_embedding, resolve_verifier
 
     out = Path(out)
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r}: formats are {', '.join(FORMATS)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"output {out} exists and is not an empty directory")
     meta, state = read_checkpoint(ckpt)
     check_base(meta, base)
-    cfg, tensors = build_export(meta, state, fmt)
-    cfg["draftheads"] = {"source_checkpoint": str(Path(ckpt).resolve()), "head_type": meta["head_type"], "format": fmt}
+
+    def engine_inputs() -> tuple[str, torch.Tensor]:
+        try:
+            ver = resolve_verifier(meta, base, verifier)
+            # the embedding comes from local files: the verifier's folder, else --base, else the training base
+            local = ver if Path(ver).is_dir() else resolve_verifier(meta, base, None)
+            emb = base_embedding(local, int(meta["base"]["vocab_size"]), int(meta["base"]["hidden_size"]))
+        except VerifierError as exc:
+            raise ExportError(str(exc)) from None
+        return ver, emb
+
+    cfg, tensors = build_export(meta, state, fmt, engine_inputs=engine_inputs)
+    cfg.setdefault("draftheads", {}).update(source_checkpoint=str(Path(ckpt).resolve()), head_type=meta["head_type"],
+                                            format=fmt)
+    from core.finite import NonFiniteError, check_finite
+
+    try:  # a non-finite weight is never handed to a serving engine
+        check_finite(tensors, f"export of {ckpt}")
+    except NonFiniteError as exc:
+        raise ExportError(str(exc)) from None
     tmp = make_tmp_dir(f".{out.name}.", out.parent if str(out.parent) else ".")
     try:
-        tensors = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+        tensors = {k: (v if k == "embed_tokens.weight" or not v.is_floating_point() else v.float()).contiguous()
+                   for k, v in tensors.items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if out.exists():
@@ -242,9 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument("--base", default=None, help="model.path of the serving target: refused unless it matches the training base")
+    p.add_argument("--verifier", default=None,
+                   help="vllm/speculators: the verifier to record (HF folder or hub id); default --base, else the training base")
     args = p.parse_args(argv)
     try:
-        path = export(args.checkpoint, args.format, args.out, base=args.base)
+        path = export(args.checkpoint, args.format, args.out, base=args.base, verifier=args.verifier)
     except (ExportError, FileNotFoundError, OSError, json.JSONDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

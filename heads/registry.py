@@ -17,7 +17,7 @@ from typing import Any
 from core.io import atomic_save_safetensors, atomic_write_json
 
 #: modules of the ``heads`` package that define no head (never imported by the registry scan)
-NON_HEAD_MODULES = ("base", "registry", "export")
+NON_HEAD_MODULES = ("base", "registry", "export", "export_engines")
 HEADS: dict[str, type] = {}
 FORMAT_VERSION = 1
 
@@ -95,10 +95,16 @@ def save(head, directory: str | os.PathLike, base_identity: dict[str, Any], extr
     ``config.json`` holds ``head_type``, the full head config, ``base`` (identity incl. vocab
     size) and ``base_config`` (the base model's HF config dict, so the head can be rebuilt
     without loading the base).  ``extra`` (e.g. training step, metrics) is stored as-is.
+
+    Raises:
+        core.finite.NonFiniteError: a weight holds NaN or ±inf (names the tensor; nothing is written).
     """
+    from core.finite import check_finite
+
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().float().contiguous() if v.is_floating_point() else v for k, v in head.trainable_state_dict().items()}
+    check_finite(tensors, f"heads.save into {directory}")
+    directory.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(tensors, directory / "model.safetensors", metadata={"format": "draftheads", "head_type": head.head_type})
     atomic_write_json(
         directory / "config.json",

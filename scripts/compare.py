@@ -3,9 +3,14 @@
 Reads ``configs/compare.yaml`` (``--config FILE`` for another; ``key=value`` overrides it,
 omegaconf dotlist) and runs, each stage as a subprocess of this repository's entry points:
 
-1. ``python -m data_prep`` once: one cache (``<output_dir>/cache``) for every head;
-2. per head, ``python -m train heads=<head>`` with ``train.max_time=<train_max_time>`` (the same
-   wall-clock budget for every head), into ``<output_dir>/runs/<head>/compare-<name>``;
+1. ``python -m data_prep`` once: one cache (``<output_dir>/cache``) for every head; or, with ``prep``
+   a map of named override lists, one cache per name (``<output_dir>/caches/<name>``, e.g. the same
+   conversations with teacher-forced and with regenerated labels), a head training on the one its
+   ``cache`` entry names (default the first);
+2. per head, ``python -m train heads=<head>`` with the same budget for every head: a wall clock
+   ``train.max_time=<train_max_time>`` and/or the overrides of ``train_budget`` (e.g.
+   ``[train.max_epochs=1, train.max_steps=-1]``: an equal token budget, one epoch of one cache),
+   into ``<output_dir>/runs/<head>/compare-<name>``;
    ``train_parallel`` heads at once, so every head gets the same share of the machine
    (:meth:`Driver.train`);
 3. the evaluation protocol on each head's ``best/`` (else ``last/``), per **evaluation group**:
@@ -54,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
 
 from core.config import UserInputError  # noqa: E402
 from core.io import atomic_write_json  # noqa: E402
@@ -78,8 +83,16 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
         if "=" not in o or OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
             raise UserInputError(f"{o!r}: not a key=value override of a key in {path.name}")
     cfg.merge_with_dotlist(list(overrides))
-    if not (isinstance(cfg.train_max_time, (int, float)) and cfg.train_max_time > 0):
-        raise UserInputError(f"train_max_time={cfg.train_max_time!r} must be a number of seconds > 0")
+    budget = cfg.get("train_max_time")
+    if budget is not None and not (isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0):
+        raise UserInputError(f"train_max_time={budget!r} must be a number of seconds > 0, or null")
+    if budget is None and not cfg.get("train_budget"):
+        raise UserInputError("no training budget: set train_max_time (seconds) or train_budget "
+                             "(e.g. [train.max_epochs=1, train.max_steps=-1]: an equal token budget)")
+    prep = cfg.get("prep")
+    if not isinstance(prep, (ListConfig, DictConfig)) or (isinstance(prep, DictConfig) and not prep):
+        raise UserInputError("prep must be a list of data_prep overrides (one cache) or a non-empty map "
+                             "{cache name: [overrides]}")
     for key in ("shards", "repeats", "prompts_per_category", "timing_per_category", "max_new_tokens"):
         v = cfg.eval[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -98,7 +111,15 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
     for name in cfg.heads_to_run:
         if name not in cfg.heads:
             raise UserInputError(f"heads_to_run: {name!r} has no entry under heads (have {', '.join(cfg.heads)})")
+        which = cfg.heads[name].get("cache")
+        if which is not None and which not in cache_names(cfg):
+            raise UserInputError(f"heads.{name}.cache={which!r}: not a cache of prep (have {', '.join(cache_names(cfg))})")
     return cfg
+
+
+def cache_names(cfg: DictConfig) -> list[str]:
+    """The caches ``prep`` defines: ``["cache"]`` for a list of overrides, else the map's names in order."""
+    return list(cfg.prep) if isinstance(cfg.prep, DictConfig) else ["cache"]
 
 
 def head_available(head: str) -> str | None:
@@ -209,13 +230,32 @@ class Driver:
         return [results[s] for s, _ in stages]
 
     # -- stages ---------------------------------------------------------------------------------
-    def cache_dir(self) -> Path:
-        return self.out / "cache"
+    def cache_dir(self, name: str | None = None) -> Path:
+        """``<output_dir>/cache`` for a single cache (``prep`` a list), ``<output_dir>/caches/<name>`` for
+        one of several (``prep`` a map); ``name`` None = the first."""
+        if not isinstance(self.cfg.prep, DictConfig):
+            return self.out / "cache"
+        return self.out / "caches" / (name or cache_names(self.cfg)[0])
+
+    def head_cache(self, name: str) -> Path:
+        """The cache head ``name`` trains on (its ``cache`` entry; default the first)."""
+        return self.cache_dir(self.cfg.heads[name].get("cache"))
 
     def prepare(self) -> None:
+        """One data-prep stage per cache (``prep``; the caches of a map run one after another, each on
+        all cores: ``prep``, or ``prep-<name>``).  A cache that no head of ``heads_to_run`` trains on is
+        skipped with a line (it is built by the run that selects such a head)."""
         c = self.cfg
-        self.run_stage("prep", [[self.py, "-m", "data_prep", *c.common, *c.prep, f"prep.cache_dir={self.cache_dir()}",
-                                 "prep.progress=false", f"output_root={self.out}"]])
+        specs = [("prep", list(c.prep))] if not isinstance(c.prep, DictConfig) else \
+            [(f"prep-{n}", list(c.prep[n])) for n in cache_names(c)]
+        used = {self.head_cache(n) for n in c.heads_to_run}
+        for (stage, overrides), name in zip(specs, cache_names(c)):
+            if self.cache_dir(name) not in used:
+                print(f"[compare] {stage}: skipped, no head in heads_to_run trains on cache {name!r}", flush=True)
+                continue
+            self.run_stage(stage, [[self.py, "-m", "data_prep", *c.common, *overrides,
+                                    f"prep.cache_dir={self.cache_dir(name)}",
+                                    "prep.progress=false", f"output_root={self.out}"]])
 
     def head_args(self, name: str) -> list[str]:
         h = self.cfg.heads[name]
@@ -227,8 +267,10 @@ class Driver:
 
     def train_command(self, name: str) -> list[str]:
         c = self.cfg
-        return [self.py, "-m", "train", *self.head_args(name), *c.train, f"train.max_time={c.train_max_time}",
-                f"train.cache_dir={self.cache_dir()}", f"train.run_name=compare-{name}", f"output_root={self.out}",
+        budget = ([f"train.max_time={c.train_max_time}"] if c.get("train_max_time") is not None else []) + \
+            list(c.get("train_budget") or [])
+        return [self.py, "-m", "train", *self.head_args(name), *c.train, *budget,
+                f"train.cache_dir={self.head_cache(name)}", f"train.run_name=compare-{name}", f"output_root={self.out}",
                 "resume=auto", "train.progress_bar=false"]
 
     def train(self, names: list[str]) -> None:
@@ -330,7 +372,7 @@ class Driver:
             return None
         run = OmegaConf.load(f)
         t = run.train
-        lengths = record_lengths(open_split(str(t.cache_dir or self.cache_dir()), "train"))
+        lengths = record_lengths(open_split(str(t.cache_dir or self.head_cache(name)), "train"))
         batches = make_batches(lengths, t.batch_size, t.max_tokens, int(run.seed), bool(t.shuffle), int(t.bucket_size))
         return tokens_seen(lengths, batches, int(steps), int(run.seed), bool(t.shuffle), 1,
                            int(t.accumulate_grad_batches))

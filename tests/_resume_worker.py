@@ -11,7 +11,17 @@ entry's optional ``stop``: ``{"kind": "kill", "step": N}`` hard-exits every rank
 (``os._exit(17)``, like SIGKILL) before the batch after optimizer step N (so it must be the last
 entry); ``{"kind": "signal", "step": N, "signal": "SIGTERM", "ranks": [0]}`` sends the signal to
 the listed ranks' own process inside optimizer step N (before the update); the pre-empted run
-returns and the plan goes on.
+returns and the plan goes on; ``{"kind": "stop", "step": N, "micro": m}`` sets ``trainer.should_stop``
+on every rank at the end of micro-batch m of the window after step N (what ``train.max_time`` does).
+An entry's optional ``poison`` (issue 28, the finite-value guard under DDP / ZeRO):
+``{"kind": "batch" | "grad", "rank": r, "step": N}`` puts a NaN into rank r's micro-batch features
+(``batch``) or into one element of rank r's gradient of the first head parameter (``grad``, a
+tensor hook, so the loss stays finite) in optimizer step N; every rank must stop with the same error.
+An entry's optional ``expect_error``: a path prefix; the entry's ``core.finite.NonFiniteError`` is
+caught, its message written to ``<expect_error>.rank<r>.txt`` (any other outcome fails the rank),
+and the plan goes on.
+An entry's optional ``record``: a path prefix; every rank appends each micro-batch it trains as
+a JSON line ``[epoch, batch index, [conversation ids]]`` to ``<record>.rank<r>.jsonl``.
 
 Also registers ``adadecode_frozen``: AdaDecode plus one frozen parameter (issue 11, item 5).
 """
@@ -59,12 +69,51 @@ def stop_callback(spec: dict):
                 trainer.strategy.barrier("kill")
                 os._exit(17)
 
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if spec["kind"] == "stop" and trainer.global_step >= step \
+                    and batch_idx % trainer.accumulate_grad_batches == int(spec.get("micro", 0)):
+                trainer.should_stop = True
+
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             if spec["kind"] == "signal" and trainer.global_step + 1 == step \
                     and trainer.global_rank in spec.get("ranks", [0]):
                 os.kill(os.getpid(), getattr(signal, spec["signal"]))
 
     return Stop()
+
+
+def poison_callback(spec: dict):
+    from lightning.pytorch.callbacks import Callback
+
+    class Poison(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank != int(spec["rank"]) or trainer.global_step + 1 != int(spec["step"]):
+                return
+            if spec["kind"] == "batch":
+                batch["hidden"][0, 1, 0] = float("nan")
+                return
+            param = next(p for p in pl_module.head.parameters() if p.requires_grad)
+
+            def nan_one(grad):
+                grad = grad.clone()
+                grad.view(-1)[0] = float("nan")
+                handle.remove()
+                return grad
+
+            handle = param.register_hook(nan_one)
+
+    return Poison()
+
+
+def record_callback(prefix: str):
+    from lightning.pytorch.callbacks import Callback
+
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            with open(f"{prefix}.rank{trainer.global_rank}.jsonl", "a") as f:
+                f.write(json.dumps([int(trainer.current_epoch), int(batch_idx), list(batch["ids"])]) + "\n")
+
+    return Record()
 
 
 def main(argv=None) -> None:
@@ -81,6 +130,20 @@ def main(argv=None) -> None:
         cfg = compose(["train.logger=csv", "train.progress_bar=false", "train.sanity_val_steps=0",
                        "train.accelerator=cpu", "train.log_every_n_steps=1", *common, *entry["overrides"]])
         callbacks = [stop_callback(entry["stop"])] if entry.get("stop") else []
+        if entry.get("poison"):
+            callbacks.append(poison_callback(entry["poison"]))
+        if entry.get("record"):
+            callbacks.append(record_callback(entry["record"]))
+        if entry.get("expect_error"):
+            from core.finite import NonFiniteError
+
+            try:
+                train(cfg, base=base, callbacks=callbacks)
+            except NonFiniteError as exc:
+                rank = int(os.environ.get("RANK", 0))
+                Path(f"{entry['expect_error']}.rank{rank}.txt").write_text(str(exc))
+                continue
+            raise AssertionError("the run did not stop on the non-finite value")
         result = train(cfg, base=base, callbacks=callbacks)
         if entry.get("stop", {}).get("kind") == "signal":
             assert result["preempted"] is not None and result["preempted"].step == entry["stop"]["step"], result

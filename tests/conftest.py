@@ -19,6 +19,10 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# model.dtype / train.precision = auto resolve from the CPU's bf16 support (core.precision); pin the
+# answer to "bf16 instructions, not native" so that auto means fp32 on every machine the suite runs on
+# (tests of the detection itself monkeypatch it).
+os.environ["DRAFTHEADS_BF16"] = "slow"
 # The unit tests use toy-sized tensors: one intra-op thread is faster than two on a 2-core
 # machine (no oversubscription when a subprocess test runs alongside).
 torch.set_num_threads(1)

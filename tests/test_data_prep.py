@@ -333,4 +333,7 @@ def test_mixture_is_recorded_in_the_manifest_and_summary(tiny_base, tiny_model_d
     summary = pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
     man = json.loads((default_cache_dir(cfg) / "train" / "manifest.json").read_text())
     assert [(s["path"], s["conversations"]) for s in man["data_sources"]] == [(str(data_file), 5), (str(msgs), 4)]
-    assert summary["conversations"] == 9 and summary["fixed"] == {"leading_assistant_dropped": 4}
+    # the 5 ShareGPT records map human/gpt; the 4 messages records drop a leading assistant turn
+    assert summary["conversations"] == 9 and summary["fixed"] == {
+        "leading_assistant_dropped": 4, "role_mapped_gpt_to_assistant": 5, "role_mapped_human_to_user": 5}
+    assert man["data_read"]["fixed"] == summary["fixed"]

@@ -100,16 +100,17 @@ def _gen_ids(tok, msgs):
     return list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False, add_generation_prompt=True))
 
 
-def test_qwen3_style_template_keeps_the_record_and_masks_reply_plus_end_of_turn_only():
+def test_qwen3_style_template_context_is_the_generation_prompt_and_the_think_block_is_written():
     tok = _tok(QWEN3_STYLE)
     eos = {tok.eos_token_id}
-    # one turn: the empty think block is part of the prompt, not of the loss
+    # one turn: the context is the generation prompt exactly; the empty think block the template puts
+    # in front of the last reply is what the base writes after it, so it is in the loss (issue 28)
     one = QA2[:2]
     [[seg]] = segment_records(tok, one, "q1", eos)
     ids, mask = encode_conversation(tok, one, "q1")
     assert ids == list(tok.apply_chat_template(one, tokenize=True, return_dict=False))
-    assert _masked_texts(tok, ids, mask) == ["Hello.<|im_end|>"]
-    assert tok.decode(ids[: seg.header]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert _masked_texts(tok, ids, mask) == ["<think>\n\n</think>\n\nHello.<|im_end|>"]
+    assert ids[: seg.header] == _gen_ids(tok, one[:1])
     # two turns: not prefix-stable (turn 1 loses its think block once it is not the last reply), so
     # each turn gets its own record whose context is exactly the inference view of that turn
     stats = ReadStats()
@@ -117,7 +118,7 @@ def test_qwen3_style_template_keeps_the_record_and_masks_reply_plus_end_of_turn_
     assert [r.id for r in recs] == ["q2", "q2#1"] and not stats.dropped and stats.fixed["split_by_template"] == 1
     for rec, i, reply in zip(recs, (1, 3), ("Hello.", "It is 6.")):
         ids, mask = rec.encode()
-        assert _masked_texts(tok, ids, mask) == [reply + "<|im_end|>"]
+        assert _masked_texts(tok, ids, mask) == ["<think>\n\n</think>\n\n" + reply + "<|im_end|>"]
         gen = _gen_ids(tok, QA2[:i])
         assert ids[: len(gen)] == gen  # the prompt the base sees at inference precedes the reply
         assert ids == list(tok.apply_chat_template(QA2[: i + 1], tokenize=True, return_dict=False))

@@ -335,7 +335,9 @@ def test_parity_random_weights(tiny_base):
             ref, _ = greedy_generate(base, prompt, 24, eos)
             out, stats = SpeculativeDecoder(base, drafter, eos).generate(prompt, 24)
             assert out == ref
-            assert stats["drafter_passes"] == depth * stats["steps"]
+            # at most depth passes a step: fewer where fewer tokens are left or no deeper node can enter
+            # the best total_tokens (tests/test_draft_limits.py counts them exactly)
+            assert stats["steps"] <= stats["drafter_passes"] <= depth * stats["steps"]
             assert stats["tree_nodes"] <= total * stats["steps"]
 
 

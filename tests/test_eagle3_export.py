@@ -71,11 +71,14 @@ def read_eagle3(out, base, ids, engine):
         layer_cfg = cfg["transformer_layer_config"]
         assert "norm_before_residual" in cfg  # vLLM defaults a missing flag to true
         nbr = cfg["norm_before_residual"]
+    N, V = cfg["draft_vocab_size"], layer_cfg["vocab_size"]
+    if engine != "sglang" and N == V:  # speculators / vLLM: no mapping for a full vocabulary (identity)
+        assert "d2t" not in W and "t2d" not in W
+        W = {**W, "d2t": torch.zeros(N, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool)}
     for key in EAGLE3_KEYS:
         name = key if key in ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d") else pfx + key
         assert name in W, f"missing {name}"
     assert "fc.bias" not in W
-    N, V = cfg["draft_vocab_size"], layer_cfg["vocab_size"]
     assert W["lm_head.weight"].shape[0] == N and W["d2t"].shape == (N,) and W["t2d"].shape == (V,)
     assert W["fc.weight"].shape[1] == 3 * cfg["target_hidden_size"]
     eps = layer_cfg["rms_norm_eps"]

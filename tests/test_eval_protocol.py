@@ -183,7 +183,9 @@ def test_multi_turn_shards_merge_and_resume(tiny_base, tiny_model_dir, tmp_path,
         run("all", "eval.num_prompts=4", "resume=auto", "eval.turns=1")
 
 
-def test_template_that_rewrites_the_answer_is_refused(tiny_base):
+def test_template_that_rewrites_the_answer_renders_turn_two_itself(tiny_base):
+    """A template that strips the answer cannot hold it token for token: turn 2 is the template's own
+    tokenization of the conversation (issue 28: built, not refused; tests/test_eval_resilience.py)."""
     _, tok, _ = tiny_base
 
     class Stripping:
@@ -205,8 +207,8 @@ def test_template_that_rewrites_the_answer_is_refused(tiny_base):
 
     p = Prompt("q7", msgs, template(tok, msgs), None, ("y",))
     assert follow_up_prompt(tok, p, ids, []).id == "q7/turn2"
-    with pytest.raises(PromptError, match="'q7/turn2'.*verbatim"):
-        follow_up_prompt(Stripping(tok), p, ids, [])
+    t2 = follow_up_prompt(Stripping(tok), p, ids, [])
+    assert t2.rendering == "re-rendered" and t2.input_ids.tolist() == template(Stripping(tok), t2.messages).tolist()
 
 
 def test_bad_protocol_settings_are_one_line_errors(tiny_model_dir, tmp_path, mt_file, capsys):

@@ -253,7 +253,8 @@ def test_interrupted_evaluation_resumes_without_redecoding(tiny_base, tiny_model
     progress = tmp_path / "out" / "progress.jsonl"
     lines = progress.read_text().splitlines()
     assert len(lines) == 3 and [json.loads(x)["id"] for x in lines[1:]] == ["81", "p2"]
-    assert not (tmp_path / "out" / "report.json").exists()
+    part = json.loads((tmp_path / "out" / "report.json").read_text())  # what was decoded is reported (issue 28)
+    assert part["complete"] is False and [r["id"] for r in part["per_prompt"]] == ["81", "p2"]
     with progress.open("a") as f:
         f.write('{"id": "line3", "vanilla": {"tok')  # a torn write: that prompt is decoded again
 

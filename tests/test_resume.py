@@ -143,6 +143,21 @@ def test_resolve_resume(tmp_path):
         resolve_resume(cfg(str(tmp_path / "nope")), run_dir_for)
 
 
+def test_resumed_worker_loader_continues_the_saved_epoch():
+    """A DataLoader with worker processes (train.num_workers >= 1) calls iter(sampler) twice per
+    iterator; both must skip the consumed batches (issue 28: the epoch restarted at batch 0)."""
+    from train.data import ResumableDataLoader, ShardedBatchSampler
+
+    s = ShardedBatchSampler(6, shuffle=True, seed=5, window=2)
+    s.set_epoch(1)
+    order = list(s)
+    t = ShardedBatchSampler(6, shuffle=True, seed=5, window=2)
+    dl = ResumableDataLoader(list(range(6)), batch_size=None, sampler=t, num_workers=1)
+    dl.load_state_dict({"epoch": 1, "consumed": 2})
+    t.set_epoch(1)  # Lightning, at the resumed epoch's start
+    assert [int(x) for x in dl] == order[2:]
+
+
 def test_sampler_state_skips_consumed_batches():
     from train.data import ResumableDataLoader, ShardedBatchSampler
 
@@ -155,4 +170,8 @@ def test_sampler_state_skips_consumed_batches():
     dl = ResumableDataLoader(list(range(8)), batch_size=None, sampler=t)
     dl.load_state_dict(state)
     assert t.epoch == 2 and list(t) == order[2:]
-    assert list(t) == order  # the skip applies once
+    assert list(t) == order[2:]  # every iterator of the saved epoch skips (a worker loader iterates twice)
+    t.set_epoch(3)
+    u = ShardedBatchSampler(7, 2, 1, shuffle=True, seed=3)
+    u.set_epoch(3)
+    assert list(t) == list(u)  # the skip ends with its epoch

@@ -106,6 +106,8 @@ CASES = {
     "ddp-falcon-kill": ("falcon", ["strategy=ddp", "train.max_steps=6", "train.val_every_n_steps=2"],
                         {"kind": "kill", "step": 3}),
 }
+ZERO3_EPOCHS_ACC2 = ["strategy=deepspeed_zero3", "train.max_steps=-1", "train.max_epochs=2",
+                     "train.accumulate_grad_batches=2", "train.num_workers=1"]
 MATRIX = [{  # groups: at most one kill each, last
     "zero3-falcon-sigusr1-both-ranks": ("falcon", ["strategy=deepspeed_zero3", "train.max_steps=6",
                                                    "train.val_every_n_steps=3"],
@@ -131,6 +133,21 @@ MATRIX = [{  # groups: at most one kill each, last
     "zero3-falcon_k1-steps-acc2-signal-at-validation": ("falcon_k1", [
         "strategy=deepspeed_zero3", "train.max_steps=5", "train.val_every_n_steps=1", "train.accumulate_grad_batches=2"],
         {"kind": "signal", "step": 4, "signal": "SIGTERM", "ranks": [0]}),
+}, {  # issue 28: epoch budget x accumulation 2 under ZeRO-3 with DataLoader workers, micro-batch ids
+    # compared (3 optimizer steps an epoch): a signal at a mid-epoch step (save_top_k 1), at an epoch
+    # end (save_top_k 10), a stop inside a window, a kill inside a window after a mid-epoch checkpoint
+    "zero3-falcon-epochs-acc2-workers-sigterm-midepoch-top1": ("falcon", [
+        *ZERO3_EPOCHS_ACC2, "train.val_every_n_steps=3", "train.save_top_k=1"],
+        {"kind": "signal", "step": 4, "signal": "SIGTERM", "ranks": [0]}),
+    "zero3-eagle3-epochs-acc2-workers-kill-midwindow-top10": ("eagle3", [
+        *ZERO3_EPOCHS_ACC2, "train.val_every_n_steps=2", "train.save_top_k=10"],
+        {"kind": "kill", "step": 5, "micro": 1}),
+}, {
+    "zero3-ctc-epochs-acc2-workers-sigterm-epoch-end-top10": ("ctc", [
+        *ZERO3_EPOCHS_ACC2, "train.val_every_n_steps=2", "train.save_top_k=10"],
+        {"kind": "signal", "step": 3, "signal": "SIGTERM", "ranks": [1]}),
+    "zero3-adadecode-epochs-acc2-workers-stop-midwindow": ("adadecode", [
+        *ZERO3_EPOCHS_ACC2, "train.val_every_n_steps=2"], {"kind": "stop", "step": 3, "micro": 0}),
 }]
 
 
@@ -142,20 +159,56 @@ def _run_group(cases: dict, cache, tiny_model_dir, tmp_path) -> None:
     kills = [n for n, (_, _, stop) in cases.items() if stop["kind"] == "kill"]
     assert len(kills) <= 1 and (not kills or kills[0] == list(cases)[-1]), "a kill must be the last case"
     first, second = [], []
+    micro = tmp_path / "micro"
+    micro.mkdir(exist_ok=True)
     for name, (head, overrides, stop) in cases.items():
         args = [*HEAD_ARGS[head], *overrides]
-        first += [{"overrides": [*args, f"train.run_name={name}-full"]},
+        first += [{"overrides": [*args, f"train.run_name={name}-full"], "record": str(micro / f"{name}-full")},
                   {"overrides": [*args, f"train.run_name={name}-part"], "stop": stop}]
-        second.append({"overrides": [*args, f"train.run_name={name}-part", "resume=auto"]})
+        second.append({"overrides": [*args, f"train.run_name={name}-part", "resume=auto"],
+                       "record": str(micro / f"{name}-resumed")})
     _launch([*common, "--plan", json.dumps(first)], tmp_path, allow_rc=(17,) if kills else (0,))
     runs = tmp_path / "out" / "runs"
-    for name in cases:
+    done = {}
+    for name, (_, overrides, stop) in cases.items():
         part = next(iter(sorted(runs.glob(f"*/{name}-part"))), runs / name)
-        assert not (part / "last").exists() and (part / "checkpoints" / "last.ckpt").is_file(), name
+        # a run told to stop (kind "stop") ends normally and exports; killed / pre-empted ones do not
+        assert (stop["kind"] == "stop" or not (part / "last").exists()) and (part / "checkpoints" / "last.ckpt").is_file(), name
+        done[name] = _whole_windows_done(part, _window(overrides), name)
     _launch([*common, "--plan", json.dumps(second)], tmp_path)
     for name in cases:
         (full,), (part,) = sorted(runs.glob(f"*/{name}-full")), sorted(runs.glob(f"*/{name}-part"))
         _compare(name, full, part)
+        for rank in (0, 1):
+            _compare_micro_batches(f"{name} rank {rank}", _micro_batches(micro / f"{name}-full", rank),
+                                   _micro_batches(micro / f"{name}-resumed", rank), done[name])
+
+
+def _window(overrides) -> int:
+    return next((int(x.split("=")[1]) for x in overrides if x.startswith("train.accumulate_grad_batches=")), 1)
+
+
+def _whole_windows_done(run_dir: Path, window: int, name: str) -> int:
+    """Micro-batches per rank that ``last.ckpt``'s weights hold (its step x the window); its data
+    position must be that many (whole accumulation windows only)."""
+    from train.checkpoint_io import SafetensorsCheckpointIO
+
+    ckpt = SafetensorsCheckpointIO().load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    (position,) = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert position["consumed"] % window == 0, f"{name}: checkpoint inside an accumulation window: {position}"
+    return int(ckpt["global_step"]) * window
+
+
+def _micro_batches(prefix: Path, rank: int) -> list:
+    path = Path(f"{prefix}.rank{rank}.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _compare_micro_batches(name: str, full: list, resumed: list, done: int) -> None:
+    """Micro-batch by micro-batch: the resumed run trains the uninterrupted run's, after the first ``done``."""
+    assert resumed, f"{name}: the resumed run recorded no micro-batch"
+    assert resumed == full[done:], (f"{name}: resumed micro-batches differ after {done}: first resumed "
+                                    f"{resumed[:2]}, expected {full[done:done + 2]}")
 
 
 def _compare(name: str, full: Path, part: Path) -> None:

@@ -76,6 +76,49 @@ def kill_at(step: int, micro: int = 0):
     return KillAt()
 
 
+def stop_at(step: int, micro: int = 0):
+    """Set ``trainer.should_stop`` (what the ``train.max_time`` Timer and early stopping do) at the end
+    of micro-batch ``micro`` of the window after optimizer step ``step``: the run validates there and ends."""
+    from lightning.pytorch.callbacks import Callback
+
+    class StopAt(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step >= step and batch_idx % trainer.accumulate_grad_batches == micro:
+                trainer.should_stop = True
+
+    return StopAt()
+
+
+class MicroBatches:
+    """Records the conversation ids of every micro-batch a run trains on, in order, as
+    ``(epoch, batch index in the epoch, ids)``."""
+
+    def __init__(self) -> None:
+        from lightning.pytorch.callbacks import Callback
+
+        seen = self.seen = []
+
+        class Record(Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                seen.append((int(trainer.current_epoch), int(batch_idx), tuple(batch["ids"])))
+
+        self.callback = Record()
+
+
+def assert_same_micro_batches(full: list, resumed: list, step: int, window: int) -> None:
+    """The resumed run trains exactly the uninterrupted run's micro-batches after optimizer step
+    ``step`` (the checkpoint's), micro-batch by micro-batch: none repeated, none skipped."""
+    done = step * window  # every epoch is a whole number of windows (train.data.ShardedBatchSampler)
+    expected = full[done:]
+    if resumed != expected:
+        from collections import Counter
+
+        a, b = Counter(m[2] for m in expected), Counter(m[2] for m in resumed)
+        raise AssertionError(f"resumed micro-batches differ from the uninterrupted run after step {step}: "
+                             f"first resumed {resumed[:2]}, expected {expected[:2]}; repeated {sorted(b - a)}, "
+                             f"skipped {sorted(a - b)}")
+
+
 def signal_during_step(step: int, signum: int):
     """Deliver ``signum`` to this process inside optimizer step ``step`` (1-based), between the
     update of the first parameter and the rest (an optimizer pre-hook on the second step call)."""
@@ -122,6 +165,8 @@ def assert_same_run(full: Path, resumed: Path) -> None:
     assert ra == rb
 
 
+EPOCHS_ACC2 = ["train.max_steps=-1", "train.accumulate_grad_batches=2"]
+
 CASES = {
     # name: (head, cache, budget + cadence overrides, stop callback factory, resume step expected)
     "ctc-steps-after-nonimproving-val": ("ctc", 16, ["train.max_steps=6", "train.val_every_n_steps=2"],
@@ -134,6 +179,14 @@ CASES = {
                                         lambda: kill_at(4, micro=1), 4),
     "falcon-epochs-epoch-end": ("falcon", 16, ["train.max_steps=-1", "train.max_epochs=3", "train.val_every_n_steps=4"],
                                 lambda: kill_at(4), 4),
+    # issue 28: epoch budget, accumulation 2, DataLoader workers (a worker loader calls iter(sampler)
+    # twice per epoch: the resume skip was spent on the first, the epoch restarted from batch 0)
+    "falcon-epochs-acc2-workers-midepoch-top1": ("falcon", 20, [*EPOCHS_ACC2, "train.max_epochs=3",
+                                                                "train.val_every_n_steps=2", "train.save_top_k=1",
+                                                                "train.num_workers=1"], lambda: kill_at(5, micro=1), 4),
+    # told to stop inside a window (train.max_time, early stopping): no checkpoint of a partial window
+    "adadecode-epochs-acc2-stop-midwindow": ("adadecode", 20, [*EPOCHS_ACC2, "train.max_epochs=3",
+                                                               "train.val_every_n_steps=2"], lambda: stop_at(5), 4),
 }
 
 
@@ -151,6 +204,20 @@ MATRIX = {  # pytest -m resume_matrix
                                      lambda: kill_at(4, micro=1), 4),
     "eagle3-steps-after-nonimproving-val": ("eagle3", 16, ["train.max_steps=5", "train.val_every_n_steps=1"],
                                             lambda: kill_at(3), 3),
+    # issue 28: epoch budget x accumulation 2 with DataLoader workers: mid-epoch checkpoints at
+    # save_top_k 1 and 10, a stop mid-window, an epoch end (20 conversations: 3 steps an epoch)
+    "ctc-epochs-acc2-workers-midepoch-top10": ("ctc", 20, [*EPOCHS_ACC2, "train.max_epochs=2", "train.val_every_n_steps=1",
+                                                           "train.save_top_k=10", "train.num_workers=1"],
+                                               lambda: kill_at(4), 4),
+    "eagle3-epochs-acc2-workers-midwindow-top1": ("eagle3", 20, [*EPOCHS_ACC2, "train.max_epochs=2",
+                                                                 "train.val_every_n_steps=2", "train.save_top_k=1",
+                                                                 "train.num_workers=1"], lambda: kill_at(3, micro=1), 2),
+    "falcon_k1-epochs-acc2-workers-epoch-end": ("falcon_k1", 20, [*EPOCHS_ACC2, "train.max_epochs=3",
+                                                                  "train.val_every_n_steps=3", "train.save_top_k=10",
+                                                                  "train.num_workers=1"], lambda: kill_at(4, micro=1), 3),
+    "falcon-epochs-acc2-stop-midwindow-top10": ("falcon", 16, [*EPOCHS_ACC2, "train.max_epochs=3",
+                                                               "train.val_every_n_steps=2", "train.save_top_k=10",
+                                                               "train.num_workers=1"], lambda: stop_at(3), 2),
 }
 
 
@@ -168,13 +235,22 @@ def test_resume_matrix_single_process(case, caches, tiny_base, tmp_path):
 def _kill_case(spec, caches, tiny_base, tmp_path):
     head, n, extra, stop, expect_step = spec
     cache = caches[n]
-    full = _train(tmp_path, cache, tiny_base, head, "full", extra)["run_dir"]
-    with pytest.raises(Kill):
-        _train(tmp_path, cache, tiny_base, head, "part", extra, callbacks=[stop()])
+    full_batches, resumed_batches = MicroBatches(), MicroBatches()
+    full = _train(tmp_path, cache, tiny_base, head, "full", extra, callbacks=[full_batches.callback])["run_dir"]
+    callback = stop()
+    if type(callback).__name__ == "StopAt":  # ends the run normally (it exports), mid-window
+        _train(tmp_path, cache, tiny_base, head, "part", extra, callbacks=[callback])
+    else:
+        with pytest.raises(Kill):
+            _train(tmp_path, cache, tiny_base, head, "part", extra, callbacks=[callback])
     part = full.parent / "part"
     saved = SafetensorsCheckpointIO().load_checkpoint(part / "checkpoints" / "last.ckpt")
-    assert saved["global_step"] == expect_step  # last.ckpt is the newest save point, not the best one
-    _train(tmp_path, cache, tiny_base, head, "part", extra, resume=True)
+    assert saved["global_step"] == expect_step  # last.ckpt is the newest whole-step save point, not the best one
+    window = next((int(x.split("=")[1]) for x in extra if x.startswith("train.accumulate_grad_batches=")), 1)
+    (position,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert position["consumed"] % window == 0, f"checkpoint inside an accumulation window: {position}"
+    _train(tmp_path, cache, tiny_base, head, "part", extra, callbacks=[resumed_batches.callback], resume=True)
+    assert_same_micro_batches(full_batches.seen, resumed_batches.seen, expect_step, window)
     assert_same_run(full, part)
 
 

@@ -133,7 +133,8 @@ def test_leading_assistant_turns_are_dropped_and_consecutive_roles_merged_and_co
     assert convs["p_1"] == [{"role": "user", "content": "next question"}, {"role": "assistant", "content": "answer"}]
     assert convs["m"] == [{"role": "user", "content": "first\n\nsecond"},
                           {"role": "assistant", "content": "reply\n\nmore reply"}]
-    assert dict(stats.fixed) == {"leading_assistant_dropped": 1, "merged_consecutive_roles": 1}
+    assert dict(stats.fixed) == {"leading_assistant_dropped": 1, "merged_consecutive_roles": 1,
+                                 "role_mapped_gpt_to_assistant": 3, "role_mapped_human_to_user": 3}
     assert stats.kept == 3 and not stats.dropped
 
 

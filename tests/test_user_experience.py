@@ -400,10 +400,3 @@ print("DS_ACCELERATOR=" + os.environ.get("DS_ACCELERATOR", ""), file=sys.stderr)
         assert "DS_ACCELERATOR=cpu" in err  # DeepSpeed's "unable to detect" warning on import
 
 
-@pytest.mark.skipif(not NO_CUDA, reason="needs a torch without CUDA")
-def test_bf16_on_cpu_is_allowed_with_a_warning_and_auto_is_silent():
-    from train.config_checks import cpu_precision_warning
-
-    assert "much slower than fp32" in cpu_precision_warning(compose(["train.precision=bf16-mixed"]))
-    assert cpu_precision_warning(compose([])) is None
-    assert cpu_precision_warning(compose(["train.precision=32-true"])) is None

@@ -54,7 +54,15 @@ def check_train(cfg: DictConfig) -> None:
     _check_int(cfg, "train.sanity_val_steps", 0)
     _check_int(cfg, "train.num_nodes", 1)
     _check_int(cfg, "train.log_every_n_steps", 1)
-    _check_int(cfg, "train.save_top_k", 1)
+    k = cfg.train.save_top_k
+    if not _is_int(k) or not (k >= 1 or k == -1):
+        raise ConfigError(f"train.save_top_k={k!r} must be an integer >= 1, or -1 (keep every validation's checkpoint)")
+    check_choice(cfg, "train.verify_cache", ("auto", "full"))
+    check_choice(cfg, "train.val_schedule", ("steps", "log"))
+    _check_int(cfg, "train.val_first_tokens", 1)
+    vf = cfg.train.val_factor
+    if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not vf > 1:
+        raise ConfigError(f"train.val_factor={vf!r} must be a number > 1 (the growth of tokens seen between validations)")
     if not isinstance(cfg.train.shuffle, bool):
         raise ConfigError(f"train.shuffle={cfg.train.shuffle!r} must be true or false")
     check_range(cfg, "train.optimizer.lr", 0.0)
@@ -94,10 +102,10 @@ def check_accelerator_and_precision(cfg: DictConfig) -> None:
     """``train.accelerator`` must exist on this machine; float16 precisions are refused on CPUs.
 
     Lightning runs ``16-mixed`` on a CPU as ``bf16-mixed`` without saying so (torch has no fp16
-    autocast for CPUs), and bf16 autocast on CPUs without bf16 matrix units is far slower than
-    fp32; so ``16-mixed`` / ``16-true`` on a CPU is an error that says to use ``32-true`` (what
-    ``auto`` picks there).  An explicit ``bf16-*`` on a CPU is allowed: :func:`train.run.train`
-    warns once that it is usually slower than fp32.
+    autocast for CPUs); so ``16-mixed`` / ``16-true`` on a CPU is an error that says to use
+    ``auto`` or ``32-true``.  ``auto`` and the bf16 precisions are resolved by
+    :func:`core.precision.resolve_train_precision` when the run starts (bf16-mixed where bf16 is
+    native, a warning line where it runs but is not faster, refused where it is emulated).
 
     Raises:
         ConfigError: ``train.accelerator=gpu|cuda`` without a CUDA device, or a float16 precision
@@ -114,25 +122,8 @@ def check_accelerator_and_precision(cfg: DictConfig) -> None:
     precision = str(cfg.train.precision)
     if on_cpu and precision in ("16-mixed", "16-true"):
         raise ConfigError(f"train.precision={precision} on a CPU: torch has no float16 autocast on CPUs, so Lightning "
-                          "would silently run bf16-mixed, which is far slower than fp32 on most CPUs; use "
-                          "train.precision=32-true (or auto, which picks it on CPUs)")
-
-
-def cpu_precision_warning(cfg: DictConfig) -> str | None:
-    """The warning :func:`train.run.train` prints for an explicit bf16 precision on a CPU run, else None.
-
-    bf16 autocast on CPUs without bf16 matrix units runs far slower than fp32 (``auto`` picks
-    ``32-true`` on CPUs); the run proceeds, since a CPU with bf16 units (AMX) may benefit.
-    """
-    import torch
-
-    accel = str(cfg.train.accelerator)
-    on_cpu = accel == "cpu" or (accel == "auto" and not torch.cuda.is_available())
-    precision = str(cfg.train.precision)
-    if on_cpu and precision.startswith("bf16"):
-        return (f"train.precision={precision} on a CPU: bf16 autocast is usually much slower than fp32 on CPUs "
-                "without bf16 matrix units; train.precision=32-true (or auto) is the fast choice here")
-    return None
+                          "would silently run bf16-mixed instead; use train.precision=auto (bf16-mixed where this "
+                          "CPU's bf16 is native, else 32-true) or 32-true")
 
 
 STRATEGIES = ("auto", "ddp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")

@@ -144,6 +144,14 @@ class ShardedBatchSampler(Sampler[int]):
 
     ``set_epoch(e)`` (called by Lightning every epoch) selects the permutation.  ``len()`` is
     ``ceil(B / (W*A)) * A`` on every rank.
+
+    Resume (:meth:`load_state_dict`): the ``consumed`` batches of the saved epoch are skipped by
+    *every* iterator created while that epoch is current, not only by the first one: a DataLoader
+    with worker processes calls ``iter(sampler)`` twice per iterator (``_BaseDataLoaderIter`` and
+    ``_MultiProcessingDataLoaderIter._reset``), and Lightning may create an iterator and replace
+    it; a skip spent on the first call made the resumed epoch restart from its first batch
+    (``train.num_workers >= 1``: repeated and skipped micro-batches, issue 28).  The skip ends when
+    another epoch is selected.
     """
 
     def __init__(self, num_batches: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
@@ -163,7 +171,7 @@ class ShardedBatchSampler(Sampler[int]):
         self.mark_padding = mark_padding
         self.epoch = 0
         self.consumed = 0  # finished batches of this epoch (set by train.resume.DataPosition)
-        self._skip = 0     # batches to skip on the next __iter__ (after load_state_dict)
+        self._skip = 0     # batches of epoch self.epoch already trained (after load_state_dict)
 
     def set_epoch(self, epoch: int) -> None:
         """Select epoch ``epoch``'s permutation.  A pending resume skip (:meth:`load_state_dict`)
@@ -178,7 +186,7 @@ class ShardedBatchSampler(Sampler[int]):
         return {"epoch": int(self.epoch), "consumed": int(self.consumed)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Skip the ``consumed`` batches of epoch ``epoch`` on the next iteration (mid-epoch resume)."""
+        """Skip the ``consumed`` batches of epoch ``epoch`` in every iteration of that epoch (mid-epoch resume)."""
         self.epoch = int(state["epoch"])
         self.consumed = self._skip = int(state["consumed"])
 
@@ -200,8 +208,7 @@ class ShardedBatchSampler(Sampler[int]):
         return order
 
     def __iter__(self) -> Iterator[int]:
-        skip, self._skip = self._skip, 0
-        return iter(self.global_order()[self.rank::self.num_replicas][skip:])
+        return iter(self.global_order()[self.rank::self.num_replicas][self._skip:])
 
 
 class ResumableDataLoader(DataLoader):

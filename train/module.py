@@ -9,6 +9,9 @@ Optimisation (METHODS.md §6): ``torch.optim.AdamW`` (lr, betas, eps, weight dec
 only), linear warmup then linear / cosine decay to ``min_lr_ratio`` (or constant), stepped every
 optimizer step; gradient clipping by value or norm is the Trainer's (``train.grad_clip``).
 
+Finite values (:mod:`train.finite`): a non-finite loss or gradient stops training before the
+update, on every rank, naming the step and the window's conversation ids.
+
 Validation: the head's ``validation_metrics(batch)`` values are summed over batches and ranks
 as ``(sum, count)`` pairs, and ``val/<name> = Σ sum / Σ count`` - an exact mean over the whole
 held-out split, not a mean of per-batch means.
@@ -131,6 +134,9 @@ class DraftHeadModule(pl.LightningModule):
         self.monitor = head_monitor(type(head))
         self._val_sums: dict[str, torch.Tensor] = {}
         self._tick: float | None = None
+        #: what the batches are built from (train.resume.data_identity), recorded in every checkpoint
+        self.data_identity: dict[str, Any] = {}
+        self._window: list[list[str]] = []  # conversation ids of the open accumulation window's micro-batches
 
     # -- optimisation ------------------------------------------------------------------------
     def total_steps(self) -> int:
@@ -198,8 +204,18 @@ class DraftHeadModule(pl.LightningModule):
         self._tick = time.perf_counter()
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        batch = self.with_features(batch)
-        loss, metrics = self.head.training_loss(batch, self.progress())
+        from core.finite import NonFiniteError
+        from train.finite import batch_detail, check_window
+
+        self._window.append(list(batch.get("ids", [])))  # this accumulation window's conversations
+        loss, error = None, None
+        try:
+            batch = self.with_features(batch)
+            loss, metrics = self.head.training_loss(batch, self.progress())
+        except NonFiniteError as exc:  # e.g. fp8 rounding of non-finite online features: agreed below
+            error = str(exc)
+        bad, detail = batch_detail(batch, loss, error, batch_idx)
+        check_window("training batch", self.trainer, bad, detail, self._window)  # all ranks, before backward
         n = int(batch["input_ids"].shape[0])
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=n)
         for name, value in metrics.items():
@@ -212,7 +228,35 @@ class DraftHeadModule(pl.LightningModule):
         self._tokens = (int(batch["attention_mask"].sum()), int(batch["loss_mask"].sum()))
         return loss
 
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Stop on a non-finite gradient before the update (and before clipping), on every rank
+        together (:mod:`train.finite`); ZeRO-2/3 partitions are checked by the strategy's hook."""
+        from train.finite import LOSS_SCALED, check_window, grad_detail
+
+        if str(self.trainer.precision) in LOSS_SCALED:  # the loss scaler skips such steps itself
+            return
+        bad, detail = grad_detail((f"head.{n}", p.grad) for n, p in self.head.named_parameters())
+        check_window("gradient", self.trainer, bad, detail, self._window)
+
+    def check_partition_gradients(self, grads) -> None:
+        """:meth:`on_before_optimizer_step` for ZeRO's flat gradient partitions (``grads``: this
+        rank's fp32 partition gradients); called by :class:`train.strategies.ZeroStrategy`."""
+        from train.finite import LOSS_SCALED, check_window, grad_detail
+
+        if str(self.trainer.precision) in LOSS_SCALED:
+            return
+        bad, detail = grad_detail((f"ZeRO flat partition {i}", g) for i, g in enumerate(grads))
+        check_window("gradient", self.trainer, bad, detail, self._window)
+
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if not self.trainer.fit_loop.epoch_loop._should_accumulate():  # the window's optimizer step is done
+            from train.finite import LOSS_SCALED, check_window
+
+            skipped = getattr(self.trainer.strategy, "skipped_non_finite_step", None)
+            if skipped is not None and str(self.trainer.precision) not in LOSS_SCALED and skipped():
+                check_window("gradient", self.trainer, True, "DeepSpeed found the gradient norm non-finite and "
+                             "skipped the update", self._window, step=int(self.global_step))
+            self._window = []
         # The logged row's step is the number of finished optimizer steps (Lightning's default is
         # one less), the number checkpoint names carry (train.run_logs).
         self.log("step", float(self.global_step))
@@ -262,7 +306,8 @@ class DraftHeadModule(pl.LightningModule):
 
     # -- resume state ------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Add the global RNG states (torch, numpy, python, cuda) of *every* rank for exact resume.
+        """Add the global RNG states (torch, numpy, python, cuda) of *every* rank for exact resume,
+        and ``data_identity`` (the data the run trains on, :func:`train.resume.data_identity`).
 
         ``rng_states`` is this (global rank 0's) state; with several ranks ``rng_states_per_rank``
         holds each rank's (gathered here: Lightning calls this hook on every rank, rank 0 writes).
@@ -273,6 +318,8 @@ class DraftHeadModule(pl.LightningModule):
 
         states = _collect_rng_states(include_cuda=torch.cuda.is_available())
         checkpoint["rng_states"] = states
+        if self.data_identity:  # checked on resume (train.resume.check_resume_data)
+            checkpoint["data_identity"] = self.data_identity
         trainer = self._trainer
         if trainer is not None and trainer.world_size > 1 and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * trainer.world_size

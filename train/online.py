@@ -7,8 +7,9 @@ two modes need no hidden-state cache before training:
   masked by the front half of data prep (:func:`data_prep.pipeline.read_split`,
   :func:`data_prep.template.segment_conversation` / :func:`~data_prep.template.flatten`, the same
   drops as :func:`data_prep.pipeline.build_records`), batched exactly like the cache's records.
-  :class:`BaseFeatures` then runs the frozen base (eval, no grad; bf16 on GPU, the loaded dtype,
-  fp32, on CPU) on every batch and fills in exactly what the cache would have given
+  :class:`BaseFeatures` then runs the frozen base (eval, no grad, in ``model.dtype`` - the compute
+  dtype of the feature definition, ``data_prep.features``, on every device) on every batch and
+  fills in exactly what the cache of the same settings would have given
   (design.md "Cache → batch contract"): ``hidden`` = hs[L], ``aux_hidden`` = hs[l] for
   ``prep.layers``, ``labels`` = argmax of the base logits.  Hidden states are rounded to
   ``prep.dtype`` (:func:`data_prep.fp8.storage_roundtrip`), so the three modes train on the same
@@ -307,8 +308,9 @@ class BaseFeatures:
     ``features(batch)`` adds ``hidden`` [B, T, H] (hs[L], post-norm), ``aux_hidden`` {l: [B, T, H]}
     (hs[l] for ``layers``), both rounded to ``storage`` (``prep.dtype``; zeros on padding), and
     ``labels`` [B, T] long (argmax of the base logits at t; 0 on padding) - the computation of
-    :func:`data_prep.labels.forward_features`, kept on the batch's device.  A batch tagged
-    ``hybrid_shard`` is also written to ``cache`` (:class:`HybridCache`) before rounding.
+    :func:`data_prep.labels.forward_features` (both call :func:`data_prep.features.teacher_forced`),
+    kept on the batch's device.  A batch tagged ``hybrid_shard`` is also written to ``cache``
+    (:class:`HybridCache`) before rounding.
 
     Args:
         model: the frozen HF causal LM (kept as a plain attribute: never a submodule, never sharded).
@@ -316,10 +318,22 @@ class BaseFeatures:
         storage: ``prep.dtype`` name.
         cache: a :class:`HybridCache` (hybrid mode) or None.
         head_chunk: tokens per LM-head matmul for the argmax.
+        compute_dtype: the dtype the base runs in (``model.dtype`` resolved); None = the model's own.
+            A base in another dtype is copied and cast (the caller's model is never changed in place),
+            and :meth:`to` keeps this dtype on every device.
     """
 
     def __init__(self, model, layers: Sequence[int], storage: str, cache: HybridCache | None = None,
-                 head_chunk: int = 2048) -> None:
+                 head_chunk: int = 2048, compute_dtype: str | torch.dtype | None = None) -> None:
+        import copy
+
+        from core.precision import torch_dtype
+
+        dtype = compute_dtype if isinstance(compute_dtype, torch.dtype) or compute_dtype is None \
+            else torch_dtype(compute_dtype)
+        if dtype is not None and model.dtype != dtype:
+            model = copy.deepcopy(model).to(dtype)
+        self.compute_dtype = model.dtype
         self.model = model
         self.layers = sorted(int(l) for l in layers)
         self.final_layer = int(model.config.num_hidden_layers)
@@ -329,34 +343,28 @@ class BaseFeatures:
         self.seconds = 0.0  # wall time spent in the base forward (benchmarks)
 
     def to(self, device: torch.device | str) -> "BaseFeatures":
-        """Move the base to ``device``; on CUDA it runs in bf16 (the issue-17 contract)."""
-        device = torch.device(device)
-        dtype = torch.bfloat16 if device.type == "cuda" else None
-        self.model.to(device=device, dtype=dtype) if dtype is not None else self.model.to(device)
+        """Move the base to ``device``, in its compute dtype on every device (issue 28: a GPU once cast
+        it to bf16 whatever ``model.dtype`` said, so online features differed from the cache's)."""
+        self.model.to(device=torch.device(device), dtype=self.compute_dtype)
         return self
 
     @torch.no_grad()
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         import time
 
+        from data_prep.features import teacher_forced
         from data_prep.fp8 import storage_roundtrip
 
         t0 = time.perf_counter()
         device = next(self.model.parameters()).device
         ids = batch["input_ids"].to(device)
-        attn = batch["attention_mask"].to(device)
+        attn = batch["attention_mask"].to(device).bool()
         was_training = self.model.training
         self.model.eval()
-        out = self.model.base_model(input_ids=ids, attention_mask=attn.long(), output_hidden_states=True,
-                                    use_cache=False)
+        with torch.autocast(device.type, enabled=False):  # the definition's dtype, not the head's autocast
+            labels, hs, _ = teacher_forced(self.model, ids, attn, self.head_chunk)
         self.model.train(was_training)
-        hs = out.hidden_states
         final = hs[-1]
-        flat = final[attn]
-        head = self.model.get_output_embeddings()
-        picked = torch.cat([head(flat[j: j + self.head_chunk]).argmax(-1) for j in range(0, flat.shape[0], self.head_chunk)])
-        labels = torch.zeros(ids.shape, dtype=torch.long, device=device)
-        labels[attn] = picked
         tag = batch.pop("hybrid_shard", None)
         if tag is not None and self.cache is not None:
             lengths = batch["lengths"].tolist()
@@ -423,8 +431,11 @@ def feature_header(cfg, model, identity: dict[str, Any], pad_id: int) -> dict[st
     """Manifest fields of a hybrid cache (the same as data prep's header)."""
     from data_prep.fp8 import FP8_NAME
 
+    from data_prep.features import FeatureDefinition
+
     dt = str(cfg.prep.dtype)
     return {"base": dict(identity), "final_layer": int(model.config.num_hidden_layers),
+            "features": FeatureDefinition.from_config(cfg, int(model.config.num_hidden_layers)).to_dict(),
             "layers": sorted(int(l) for l in cfg.prep.layers), "hidden_size": int(model.config.hidden_size),
             "dtypes": {"input_ids": "int32", "labels": "int32", "loss_mask": "bool", "offsets": "int64",
                        "hidden": dt, "aux_hidden": dt, **({"hidden_scale": "float32"} if dt == FP8_NAME else {})},
@@ -456,7 +467,11 @@ def online_datamodule(cfg, model, tokenizer, identity: dict[str, Any]):
     dm = OnlineDataModule(cache, pad_id, batch_size=t.batch_size, max_tokens=t.max_tokens, seed=int(cfg.seed),
                           shuffle=bool(t.shuffle), bucket_size=int(t.bucket_size), num_workers=int(t.num_workers),
                           train_reader=readers["train"], val_reader=readers["val"])
-    return dm, BaseFeatures(model, cfg.prep.layers, str(cfg.prep.dtype), cache)
+    from core.precision import resolve_dtype
+
+    # train.run.train resolved model.dtype for the training device; a direct call resolves auto for the CPU
+    compute = resolve_dtype(cfg.model.dtype, "model.dtype", "cpu", check=False)
+    return dm, BaseFeatures(model, cfg.prep.layers, str(cfg.prep.dtype), cache, compute_dtype=compute)
 
 
 class OnlineDataModule(CacheDataModule):

@@ -120,10 +120,28 @@ class RunCheckpoint(ModelCheckpoint):
     improvement and ``resume=auto`` rewinds to it.  Here every validation end (the save points of
     a run; validation runs every ``train.val_every_n_steps`` optimizer steps) first updates the
     top-k checkpoints as Lightning does, then always writes ``last.ckpt``.
+
+    A checkpoint holds whole optimizer steps only: no save happens inside an accumulation window.
+    A validation runs there only when the run is told to stop (``trainer.should_stop``: the
+    ``train.max_time`` Timer, early stopping); its checkpoint would record the window's finished
+    micro-batches as consumed while their gradients are in no saved weight, so a resume would skip
+    them (issue 28).  ``last.ckpt`` then stays at the last whole step, from which a resume is exact.
     """
+
+    @staticmethod
+    def mid_window(trainer) -> bool:
+        """True while an accumulation window is open (some micro-batches accumulated, no optimizer step yet)."""
+        return bool(trainer.fit_loop.epoch_loop._should_accumulate())
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if self._should_skip_saving_checkpoint(trainer) or self._should_save_on_train_epoch_end(trainer):
+            return
+        if self.mid_window(trainer):
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"validation inside an accumulation window (the run was told to stop at step "
+                           f"{trainer.global_step}): no checkpoint written there; last.ckpt stays at the last whole "
+                           "optimizer step")
             return
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
@@ -135,6 +153,10 @@ class RunCheckpoint(ModelCheckpoint):
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not self.mid_window(trainer):
+            super().on_train_end(trainer, pl_module)
 
     def save_last_now(self, trainer) -> None:
         """Write ``last.ckpt`` for the current state (a collective call; every rank must call it)."""
@@ -165,27 +187,48 @@ class Preemption(Callback):
     $SLURM_JOB_ID``; on ``SIGTERM`` (pre-emption, ``scancel``) Slurm's own ``--requeue`` restarts
     the job.  ``resume=auto`` continues from the checkpoint.
 
+    ``SIGINT`` (Ctrl-C) takes the same path: the first one prints one line and stops at the next
+    optimizer-step boundary with ``last.ckpt`` written; before :class:`Preempted` is raised,
+    :attr:`on_interrupt` (set by ``train.run.train``: export ``last/`` and ``best/``) runs on every
+    rank while the strategy is still up.  A second Ctrl-C raises ``KeyboardInterrupt`` at once
+    (Lightning then shuts down without saving).
+
     Installed at ``on_train_start`` (after Lightning's own handlers, which it replaces for these
-    two signals: Lightning's SIGUSR1 handler checkpoints inside the signal handler, i.e. possibly
+    signals: Lightning's SIGUSR1 handler checkpoints inside the signal handler, i.e. possibly
     halfway through an optimizer step) and restored at train end / on an exception.
     """
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
     def __init__(self, checkpoint: RunCheckpoint) -> None:
         self.checkpoint = checkpoint
         self.received: int | None = None
+        self.on_interrupt = None  # callable(trainer), run on every rank before a SIGINT stop
         self._stop_after: int | None = None
         self._at_batch_end = False  # the pre-emption checkpoint is being written at a batch end
         self._previous: dict[int, Any] = {}
+        self._rank = 0
 
     def _handler(self, signum, frame) -> None:
+        import os
+        import signal
+
+        if signum == signal.SIGINT:
+            if self.received == signal.SIGINT:  # the second Ctrl-C: abort now, nothing more is saved
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            if self._rank == 0:  # os.write: print() is not safe inside a signal handler
+                os.write(2, b"\ndraftheads: Ctrl-C - saving checkpoints/last.ckpt, last/ and best/ at the end of this "
+                            b"optimizer step, then stopping (Ctrl-C again aborts without saving)\n")
+        if signum != signal.SIGINT and self.received == signal.SIGINT:
+            return  # an interrupt already asked for the save and the exports
         self.received = int(signum)
 
     def on_train_start(self, trainer, pl_module) -> None:
         import signal
         import threading
 
+        self._rank = int(trainer.global_rank)
         if threading.current_thread() is not threading.main_thread():
             return
         for name in self.SIGNALS:
@@ -252,7 +295,11 @@ class Preemption(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self._stop_after is not None:
+            import signal
+
             self.checkpoint.save_last_now(trainer)  # no-op unless the due validation was skipped
+            if self.received == signal.SIGINT and self.on_interrupt is not None:
+                self.on_interrupt(trainer)
             raise Preempted(self.received or 0, self._stop_after, self.checkpoint.last_model_path)
 
 
@@ -286,8 +333,13 @@ def _slurm_requeue(trainer) -> None:
 MAY_CHANGE_ON_RESUME = (
     "resume", "output_root", "train.run_name", "train.devices", "train.num_nodes", "train.accelerator",
     "train.logger", "train.wandb_project", "train.progress_bar", "train.log_every_n_steps", "train.num_workers",
-    "train.sanity_val_steps", "strategy.*", "eval.*",
+    "train.sanity_val_steps", "train.verify_cache", "strategy.*", "eval.*",
 )
+
+#: Keys added to the config after runs were recorded without them, with the value that trains as
+#: before they existed: absent from a run's recorded ``config.yaml`` and at this value now, they are
+#: unchanged (so runs started before the key existed still resume).
+ADDED_KEYS_NEUTRAL = {"train.val_schedule": "steps", "train.val_first_tokens": 32768, "train.val_factor": 2.0}
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -308,6 +360,9 @@ def changed_run_keys(recorded: dict[str, Any], current: dict[str, Any]) -> dict[
     (a key present on one side only counts, as ``<absent>``); keys in :data:`MAY_CHANGE_ON_RESUME` are ignored."""
     a, b = _flatten(recorded), _flatten(current)
     missing = "<absent>"
+    for k, neutral in ADDED_KEYS_NEUTRAL.items():  # a run recorded before the key existed
+        if k not in a and b.get(k, missing) == neutral:
+            a[k] = neutral
     return {k: (a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
             if not _may_change(k) and a.get(k, missing) != b.get(k, missing)}
 
@@ -330,7 +385,11 @@ def check_resume_config(cfg: Any, run_dir: str | Path) -> None:
     if not path.is_file():
         return
     recorded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    changed = changed_run_keys(recorded, to_container(cfg))
+    current = to_container(cfg)
+    if recorded.get("train", {}).get("precision") == "auto":
+        # recorded before auto was resolved: train.run.resolve_run_precision gives it its old meaning
+        recorded["train"]["precision"] = current.get("train", {}).get("precision")
+    changed = changed_run_keys(recorded, current)
     if changed:
         shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changed.items())[:8])
         more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
@@ -352,3 +411,98 @@ def record_launch(cfg: Any, run_dir: str | Path) -> Path:
     path = directory / f"{n}.yaml"
     atomic_write_text(path, OmegaConf.to_yaml(cfg, resolve=True))
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# What a resume restores must be what this launch derives (issue 28).
+# ---------------------------------------------------------------------------------------------
+def data_identity(datamodule) -> dict[str, dict[str, Any]]:
+    """What a run's batches are built from, per split: ``{split: {"sha256", "records", "source"}}``.
+
+    A data-prep cache split (a reader with ``directory``) is identified by the SHA-256 of its
+    ``manifest.json``, which lists every shard's SHA-256 and record count, so any rebuilt shard with
+    other bytes changes it; a deterministic re-run of data prep (same settings, same data) gives the
+    same bytes.  In-memory token records (``train.features=online|hybrid``,
+    :class:`train.online.ConversationRecords`) are identified by the SHA-256 of their ids, tokens and
+    loss masks.  A split that is neither is left out (not checked).
+    """
+    import hashlib
+
+    import torch
+
+    from core.io import sha256_file
+
+    out: dict[str, dict[str, Any]] = {}
+    for split in ("train", "val"):
+        reader = getattr(datamodule, f"{split}_reader", None)
+        if reader is None:
+            continue
+        directory = getattr(reader, "directory", None)
+        manifest = Path(directory) / "manifest.json" if directory is not None else None
+        if manifest is not None and manifest.is_file():
+            out[split] = {"sha256": sha256_file(manifest), "records": len(reader), "source": str(directory)}
+        elif isinstance(getattr(reader, "records", None), list):
+            h = hashlib.sha256()
+            for r in reader.records:
+                h.update(str(r["id"]).encode() + b"\0")
+                h.update(r["input_ids"].to(torch.int64).numpy().tobytes())
+                h.update(r["loss_mask"].numpy().tobytes())
+            out[split] = {"sha256": h.hexdigest(), "records": len(reader), "source": "tokenized data"}
+    return out
+
+
+def _draft_vocab_difference(saved, current) -> str | None:
+    """One line describing how two ``d2t`` tensors (or None: full vocabulary) differ, or None if equal."""
+    if saved is None and current is None:
+        return None
+    if saved is None or current is None:
+        what = lambda d: "the full vocabulary" if d is None else f"N={d.numel()} tokens"  # noqa: E731
+        return f"draft vocabulary: checkpoint {what(saved)}, this launch {what(current)}"
+    a, b = set(saved.tolist()), set(current.tolist())
+    if a == b and saved.numel() == current.numel():
+        return None
+    only_saved, only_current = sorted(a - b), sorted(b - a)
+    return (f"draft vocabulary d2t (N={saved.numel()} -> {current.numel()}): {len(only_saved)} token ids only in the "
+            f"checkpoint (first {only_saved[:5]}), {len(only_current)} only in the selection from this cache's label "
+            f"counts (first {only_current[:5]})")
+
+
+def check_resume_data(ckpt_path: str | Path, head, identity: dict[str, dict[str, Any]]) -> None:
+    """Refuse a resume whose checkpoint was trained on other data than this launch would use.
+
+    A checkpoint restores the draft vocabulary ``d2t`` / ``t2d``, the data position (batch indices
+    into the cache's records), the optimizer moments and the LR schedule position; this launch
+    derives the draft-index table, the soft teacher's rows ``W[d2t]``, the batches and the label
+    counts from the cache it opens.  If the cache was rebuilt with other content in the meantime
+    those two halves disagree, and the checkpoint cannot win everywhere: the batches themselves come
+    from the new cache.  So the resume is refused, with the difference, before anything is written.
+
+    Compared: every split's :func:`data_identity` recorded in the checkpoint (``data_identity``,
+    written by :class:`train.module.DraftHeadModule`; checkpoints made before it carry none) and the
+    checkpoint's ``head.d2t`` against the draft vocabulary ``head`` selected now.
+
+    Raises:
+        UserInputError: names each differing split (manifest SHA-256, record counts, source) and the
+            draft-vocabulary difference (token ids on either side only).
+    """
+    from core.config import UserInputError
+    from train.checkpoint_io import SafetensorsCheckpointIO
+
+    checkpoint = SafetensorsCheckpointIO().load_checkpoint(ckpt_path)
+    problems = []
+    saved = checkpoint.get("data_identity") or {}
+    for split in sorted(set(saved) & set(identity)):
+        old, new = saved[split], identity[split]
+        if old.get("sha256") != new.get("sha256"):
+            problems.append(f"{split} data changed ({old.get('source')}: {old.get('records')} -> {new.get('records')} "
+                            f"conversations, manifest sha256 {str(old.get('sha256'))[:12]} -> {str(new.get('sha256'))[:12]})")
+    state = checkpoint.get("state_dict", {})
+    current = head.d2t.detach().cpu() if getattr(head, "draft_vocab_size", None) is not None else None
+    diff = _draft_vocab_difference(state.get("head.d2t"), current)
+    if diff is not None:
+        problems.append(diff)
+    if problems:
+        raise UserInputError(f"resume from {ckpt_path} refused: the checkpoint was trained on other data than this "
+                             f"launch would use ({'; '.join(problems)}); its draft vocabulary, data position and "
+                             "optimizer state belong to that data. Resume with the cache the run was trained on, or "
+                             "start a new run (another train.run_name)")

@@ -11,8 +11,10 @@ runs live under ``runs/falcon_k1/``)::
     launches/<n>.yaml         resolved config of each resumed launch (config.yaml stays the first's)
     csv/metrics.csv           one metrics record for all launches (train/loss, val/loss, val/sim_tau, tokens/s...);
                               ``step`` = finished optimizer steps, as in the checkpoint names
-    wandb/, wandb_run_id      the run's one W&B run (online when wandb finds credentials, see train.run_logs)
-    best/, last/              exported heads: model.safetensors + config.json (heads.save)
+    wandb/, wandb_run_id      the run's one W&B run (online when wandb finds credentials, see train.wandb_mode)
+    record.json               every validation's step, tokens seen, loss, sim_tau; the best; checkpoints kept
+    val_curve.png             validation tau (or the monitor) and loss against tokens seen (train.val_schedule)
+    best/, last/              exported heads: model.safetensors + config.json (heads.save); Ctrl-C exports both
 """
 from __future__ import annotations
 
@@ -79,10 +81,15 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
     every validation (:class:`train.resume.RunCheckpoint`); SIGTERM / SIGUSR1 checkpoint at the
     next optimizer-step boundary and stop (:class:`train.resume.Preemption`); checkpoints go through
     :class:`~train.checkpoint_io.SafetensorsCheckpointIO` (no pickle, atomic).
-    Validation runs every ``train.val_every_n_steps`` optimizer steps, on every rank's shard.
+    Validation runs every ``train.val_every_n_steps`` optimizer steps (``train.val_schedule=steps``)
+    or log-spaced in tokens seen (``log``; :class:`train.val_schedule.ValidationSchedule`, which also
+    writes ``record.json`` and ``val_curve.png``), on every rank's shard.
     """
     t = cfg.train
-    if int(t.max_steps) > 0 and int(t.max_steps) % int(t.val_every_n_steps):
+    from train.val_schedule import NEVER, ValidationSchedule
+
+    val_kind = str(t.get("val_schedule", "steps"))
+    if val_kind == "steps" and int(t.max_steps) > 0 and int(t.max_steps) % int(t.val_every_n_steps):
         from lightning.pytorch.utilities import rank_zero_warn
 
         rank_zero_warn(f"train.max_steps={t.max_steps} is not a multiple of train.val_every_n_steps="
@@ -95,7 +102,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
     ckpt = RunCheckpoint(dirpath=str(run_dir / "checkpoints"), monitor=monitor, mode=mode,
                          save_top_k=int(t.save_top_k), save_last=True, filename="step{step:07d}",
                          auto_insert_metric_name=False)
-    cbs = [ckpt, DataPosition(), Preemption(ckpt), DistributedInfo(), *(callbacks or [])]
+    # before Preemption: it asks Lightning whether a validation is due, which the log schedule decides
+    schedule = ValidationSchedule(val_kind, int(t.val_every_n_steps), int(t.get("val_first_tokens", 32768)),
+                                  float(t.get("val_factor", 2.0)), run_dir=run_dir, monitor=monitor, mode=mode,
+                                  checkpoint_dir=run_dir / "checkpoints")
+    cbs = [ckpt, DataPosition(), schedule, Preemption(ckpt), DistributedInfo(), *(callbacks or [])]
     if bool(t.progress_bar):
         from train.run_logs import StepProgressBar
 
@@ -113,7 +124,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
         # the checkpoint, so a resumed run continues the same budget)
         max_time=timedelta(seconds=float(t.max_time)) if t.get("max_time") is not None else None,
         accumulate_grad_batches=accumulate,
-        val_check_interval=int(t.val_every_n_steps) * accumulate,
+        # val_schedule=log: train.val_schedule.ValidationSchedule sets trainer.val_check_batch per batch
+        val_check_interval=NEVER if val_kind == "log" else int(t.val_every_n_steps) * accumulate,
         check_val_every_n_epoch=None,
         limit_val_batches=t.limit_val_batches if t.limit_val_batches is not None else 1.0,
         num_sanity_val_steps=int(t.sanity_val_steps),
@@ -160,10 +172,12 @@ def _head_state(module: DraftHeadModule, checkpoint: dict[str, Any]) -> dict[str
 
 
 def export_checkpoints(trainer: pl.Trainer, module: DraftHeadModule, ckpt_cb, run_dir: Path,
-                       identity: dict[str, Any], head=None) -> dict[str, Path]:
+                       identity: dict[str, Any], head=None, extra: dict[str, Any] | None = None) -> dict[str, Path]:
     """Export ``<run_dir>/last`` (the final weights) and ``<run_dir>/best`` (the best monitored checkpoint).
 
     Only global rank 0 writes.  ``best`` falls back to the final weights when no validation ran.
+    ``extra`` is added to both exports' ``config.json`` ``extra`` (:func:`train`: ``features``, the
+    feature definition the head was trained on, and ``precision``, the training precision that ran).
     Returns the written directories by name.
     """
     if not trainer.is_global_zero:
@@ -174,7 +188,7 @@ def export_checkpoints(trainer: pl.Trainer, module: DraftHeadModule, ckpt_cb, ru
     common = {"global_step": int(trainer.global_step), "epoch": int(trainer.current_epoch),
               "monitor": module.monitor[0], "mode": module.monitor[1], "run_dir": str(run_dir),
               # training wall-clock over all resumed segments (Lightning's Timer; only with train.max_time)
-              "train_seconds": float(timer.time_elapsed("train")) if timer is not None else None}
+              "train_seconds": float(timer.time_elapsed("train")) if timer is not None else None, **(extra or {})}
     out["last"] = export_head(head, run_dir / "last", identity, {**common, "checkpoint": "last"})
     best_path = ckpt_cb.best_model_path
     if best_path and Path(best_path).is_file():
@@ -221,6 +235,16 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
             lacks a hidden-state layer the head reads.
     """
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    from train.resume import resolve_resume
+    from train.strategies import consolidated_head
+
+    resume_path, resume_dir = resolve_resume(cfg, run_dir_for)  # resume=auto|<path>
+    online = str(cfg.train.get("features", "offline")) != "offline"
+    # what runs, before the base loads or a directory exists: model.dtype / train.precision = auto resolved
+    # (core.precision; a resumed run keeps what it recorded), the offline cache's feature definition checked
+    resumed = resume_dir if resume_path else (
+        Path(ckpt_path).parent.parent if ckpt_path and Path(ckpt_path).parent.name == "checkpoints" else None)
+    cfg, cache_def = resolve_run_precision(cfg, resumed, online, datamodule)
     if base is None:
         from core.base_model import load_base_model
 
@@ -228,7 +252,6 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     model, tokenizer, identity = base
     identity_dict = identity.to_dict() if hasattr(identity, "to_dict") else dict(identity)
     features = None
-    online = str(cfg.train.get("features", "offline")) != "offline"
     if online:  # train.online: the frozen base runs inside training (token batches, no feature cache)
         from train.online import online_datamodule
 
@@ -236,10 +259,11 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         datamodule = datamodule or online_dm
     elif datamodule is None:
         datamodule = _cache_datamodule(cfg, tokenizer, identity_dict)
-    from train.resume import resolve_resume
-    from train.strategies import consolidated_head
+    if not online and cache_def is None and getattr(getattr(datamodule, "train_reader", None), "manifest", None):
+        from data_prep.features import FeatureDefinition
 
-    resume_path, resume_dir = resolve_resume(cfg, run_dir_for)  # resume=auto|<path>
+        reader = datamodule.train_reader
+        cache_def = FeatureDefinition.from_manifest(reader.manifest, Path(reader.directory).parent)
     ckpt_path = ckpt_path or (str(resume_path) if resume_path else None)
     run_dir = resume_dir or run_dir_for(cfg)
     if ckpt_path is None:
@@ -264,12 +288,11 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         check_online_config(cfg, model, module.head)
     else:
         check_cache_layers(module.head, datamodule)
-    from train.config_checks import cpu_precision_warning
+    from train.resume import check_resume_data, data_identity
 
-    if (note := cpu_precision_warning(cfg)) is not None:
-        from lightning.pytorch.utilities import rank_zero_warn
-
-        rank_zero_warn(note)
+    module.data_identity = data_identity(datamodule)
+    if ckpt_path:  # a checkpoint of other data (a rebuilt cache) is refused before anything is written
+        check_resume_data(ckpt_path, module.head, module.data_identity)
     resume_step = _checkpoint_step(ckpt_path) if ckpt_path else None
     # its loggers and callbacks write lazily
     trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks, resume_step=resume_step)
@@ -281,15 +304,103 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     record_wandb_run_id(run_dir, trainer.loggers)
     for lg in trainer.loggers:  # rank-zero-only inside Lightning's loggers
         lg.log_hyperparams({**to_container(cfg), "world_size": trainer.world_size})
+    interrupted_exports: dict[str, Path] = {}
+
+    def export_on_interrupt(trainer_: pl.Trainer) -> None:  # Ctrl-C: inside fit, so ZeRO can still gather
+        head_ = consolidated_head(trainer_, module)
+        interrupted_exports.update(export_checkpoints(trainer_, module, ckpt_cb, run_dir, identity_dict, head=head_))
+
+    from train.resume import Preemption
+
+    for cb in trainer.callbacks:
+        if isinstance(cb, Preemption):
+            cb.on_interrupt = export_on_interrupt
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    except Preempted as stop:
+    except Preempted as stop:  # SIGINT also exported last/ and best/ (export_on_interrupt); SIGTERM/SIGUSR1 did not
         return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
-                "exports": {}, "preempted": stop}
+                "exports": dict(interrupted_exports), "preempted": stop}
     head = consolidated_head(trainer, module)  # collective under ZeRO (gathers fp32 masters)
-    exports = export_checkpoints(trainer, module, ckpt_cb, run_dir, identity_dict, head=head)
+    from data_prep.features import FeatureDefinition
+
+    trained_on = cache_def or FeatureDefinition.from_config(cfg, int(model.config.num_hidden_layers))
+    record = {"features": {**trained_on.to_dict(), "source": str(cfg.train.get("features", "offline"))},
+              "precision": str(cfg.train.precision)}
+    exports = export_checkpoints(trainer, module, ckpt_cb, run_dir, identity_dict, head=head, extra=record)
     return {"run_dir": run_dir, "trainer": trainer, "module": module, "checkpoint_callback": ckpt_cb,
             "exports": exports, "preempted": None}
+
+
+def resume_command(argv: list[str], run_name: str) -> str:
+    """The shell command that continues this run: ``python -m train`` with ``argv`` minus any
+    ``resume=``, plus ``train.run_name=<run_name>`` when ``argv`` names none (so ``resume=auto``
+    finds this run, not a newer one), plus ``resume=auto``.  ``python`` is this interpreter
+    (``sys.executable``) unless ``python`` on ``$PATH`` is that same path."""
+    import shlex
+
+    python = sys.executable
+    found = shutil.which("python")
+    if found and os.path.abspath(found) == os.path.abspath(python):  # not realpath: a venv python is a symlink
+        python = "python"
+    args = [a for a in argv if not a.startswith("resume=")]
+    if not any(a.startswith("train.run_name=") for a in args):
+        args.append(f"train.run_name={run_name}")
+    return " ".join(shlex.quote(a) for a in [python, "-m", "train", *args, "resume=auto"])
+
+
+def resolve_run_precision(cfg: DictConfig, resumed_run: Path | None, online: bool, datamodule=None):
+    """``(cfg with model.dtype and train.precision resolved, the offline cache's FeatureDefinition or None)``.
+
+    * ``train.precision=auto`` -> ``bf16-mixed`` where bf16 is native on the training device, else
+      ``32-true`` (one line; :func:`core.precision.resolve_train_precision`).
+    * ``model.dtype`` (the base's compute dtype, ``data_prep.features``): online / hybrid resolve
+      ``auto`` for the training device (a GPU: bf16); offline, the base never runs, and ``auto``
+      takes the cache's recorded compute dtype, while an explicit value that differs from it is
+      refused with the difference (:func:`data_prep.features.check_same_features`).
+    * A resumed run (``resumed_run`` holds its ``config.yaml``) keeps the values it recorded; a run
+      recorded before ``auto`` was resolved (``train.precision: auto``) keeps the old meaning
+      (``bf16-mixed`` on GPUs, ``32-true`` on CPUs).
+
+    The returned config is what the run's ``config.yaml`` records.
+
+    Raises:
+        core.config.ConfigError: bf16 asked for on a device without bf16 instructions.
+        UserInputError: ``model.dtype`` differs from the offline cache's compute dtype.
+    """
+    from core.precision import note, resolve_dtype, resolve_train_precision, with_values
+    from train.strategies import legacy_auto_precision, resolve_accelerator
+
+    accel = resolve_accelerator(str(cfg.train.accelerator))
+    recorded = None
+    if resumed_run is not None and (Path(resumed_run) / "config.yaml").is_file():
+        recorded = OmegaConf.load(Path(resumed_run) / "config.yaml")
+    precision, dtype = str(cfg.train.precision), str(cfg.model.dtype)
+    if precision == "auto" and recorded is not None:
+        was = str(OmegaConf.select(recorded, "train.precision", default="auto"))
+        precision = legacy_auto_precision(accel) if was == "auto" else was
+        note(f"train.precision=auto -> {precision}: the resumed run {resumed_run} trained in it")
+    else:
+        precision = resolve_train_precision(precision, accel)
+    cache_def = None
+    if not online and datamodule is None:
+        from data_prep.cache import default_cache_dir
+        from data_prep.features import FeatureDefinition, cache_features, check_same_features
+
+        cache_dir = Path(cfg.train.cache_dir) if cfg.train.get("cache_dir") else default_cache_dir(cfg)
+        cache_def = cache_features(cache_dir)
+        if cache_def is not None and cache_def.compute_dtype is not None:
+            if dtype == "auto":
+                dtype = cache_def.compute_dtype
+                note(f"model.dtype=auto -> {dtype}: the compute dtype of the cache {cache_dir}")
+            else:
+                run_def = FeatureDefinition(**{**cache_def.to_dict(), "layers": cache_def.layers,
+                                               "compute_dtype": resolve_dtype(dtype, "model.dtype", "cpu")})
+                check_same_features(cache_def, run_def, f"cache {cache_dir}")
+    if dtype == "auto" and recorded is not None:
+        was = str(OmegaConf.select(recorded, "model.dtype", default="auto"))
+        dtype = was if was != "auto" else dtype
+    dtype = resolve_dtype(dtype, "model.dtype", "cuda" if online and accel == "gpu" else "cpu")
+    return with_values(cfg, {"train.precision": precision, "model.dtype": dtype}), cache_def
 
 
 def _checkpoint_step(path: str | os.PathLike) -> int:
@@ -375,6 +486,11 @@ def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> C
         raise UserInputError(f"cache {cache_dir}: the {' and '.join(empty)} split{'s hold' if len(empty) > 1 else ' holds'} "
                              "0 conversations; training needs both (prepare more data: raise "
                              "data.max_conversations or data.heldout_fraction, or check data.path)")
+    from data_prep.verify import verify_cache
+
+    # every shard's size, and its SHA-256 once per file version (data_prep.verify: a stamp keyed by size/mtime/inode)
+    verify_cache(cache_dir, readers, full=str(cfg.train.get("verify_cache", "auto")) == "full",
+                 quiet=rank_zero_only.rank != 0)
     from core.base_model import check_same_base
 
     for split, reader in readers.items():
@@ -416,7 +532,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shutdown_distributed()  # every rank got here: training ended, or all agreed on the pre-emption stop
     stop = result.get("preempted")
     if stop is not None:
-        print(f"pre-empted: {stop}")
+        import signal
+
+        if stop.signum == signal.SIGINT:
+            if rank_zero_only.rank == 0:
+                saved = ", ".join(f"{name}/" for name in result["exports"])
+                print(f"interrupted (Ctrl-C) after optimizer step {stop.step}: saved {stop.path}"
+                      f"{' and ' + saved if saved else ''} in {result['run_dir']}")
+                print("resume with: " + resume_command(list(sys.argv[1:] if argv is None else argv),
+                                                       Path(result["run_dir"]).name))
+        else:
+            print(f"pre-empted: {stop}")
         raise SystemExit(128 + stop.signum)
     if result["exports"]:
         for name, path in result["exports"].items():

@@ -10,10 +10,11 @@ A run directory holds one record however often it is resumed (issue 19 item 6):
 * W&B: one run id per run directory, kept in ``<run_dir>/wandb_run_id`` and resumed
   (``resume="allow"``) by every later launch, Slurm requeues included.
 
-W&B mode (issue 19 item 5): a ``WANDB_MODE`` the user set is obeyed; otherwise the run is online
-when wandb itself finds credentials (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, the netrc
-entry ``wandb login`` writes for ``WANDB_BASE_URL``, or wandb's settings file) and offline only
-when it finds none (:func:`wandb_has_credentials`).
+W&B mode (issue 19 item 5, issue 31 item 1): :func:`train.wandb_mode.decide_wandb_mode` - a
+``WANDB_MODE`` the user set is obeyed; otherwise the run is online when wandb itself finds
+credentials (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, the netrc entry ``wandb login``
+writes for ``WANDB_BASE_URL``, or wandb's settings file) and offline when it finds none; the mode
+goes to ``wandb.init`` explicitly (no login prompt) and is printed in one line.
 """
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from core.io import atomic_write_bytes
 
 RUN_ID_FILE = "wandb_run_id"
-DEFAULT_BASE_URL = "https://api.wandb.ai"
 
 
 def truncate_metrics(path: str | os.PathLike, keep_step: int) -> int:
@@ -96,32 +96,6 @@ class ContinuingCSVLogger(CSVLogger):
         return self._experiment
 
 
-def wandb_has_credentials(base_url: str | None = None) -> bool:
-    """Whether wandb itself would find credentials for ``base_url`` (default ``$WANDB_BASE_URL`` or
-    https://api.wandb.ai): ``WANDB_API_KEY`` / ``WANDB_IDENTITY_TOKEN_FILE``, the netrc file
-    (``$NETRC`` or ``~/.netrc``, written by ``wandb login``), or an ``api_key`` in wandb's settings.
-
-    Uses wandb's own look-up (``wandb.sdk.lib.wbauth``) without changing its session; a netrc
-    entry with a malformed key counts as no credentials.
-    """
-    from wandb.sdk.lib.wbauth import authenticate
-    from wandb.sdk.lib.wbauth.host_url import HostUrl
-
-    host = HostUrl(base_url or os.environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL)
-    try:
-        return authenticate._use_system_auth(host=host, source="draftheads", update_session=False) is not None
-    except Exception:  # an unreadable / malformed credential is not a usable one
-        return False
-
-
-def wandb_mode() -> str:
-    """``$WANDB_MODE`` when set; else ``online`` with credentials (:func:`wandb_has_credentials`), ``offline`` without."""
-    mode = os.environ.get("WANDB_MODE")
-    if mode:
-        return mode
-    return "online" if wandb_has_credentials() else "offline"
-
-
 def wandb_run_id(run_dir: str | os.PathLike) -> str:
     """The run directory's W&B run id: the one recorded in ``<run_dir>/wandb_run_id``, else a W&B
     sweep agent's ``$WANDB_RUN_ID``, else a new random id (recorded by :func:`record_wandb_run_id`
@@ -151,15 +125,27 @@ def record_wandb_run_id(run_dir: str | os.PathLike, loggers: list) -> None:
 
 
 def build_wandb_logger(cfg: Any, run_dir: Path):
-    """``WandbLogger`` for the run directory's one W&B run (resumed when it exists), in :func:`wandb_mode`."""
+    """``WandbLogger`` for the run directory's one W&B run (resumed when it exists), in the mode
+    :func:`train.wandb_mode.decide_wandb_mode` picks (printed once, by global rank 0).
+
+    The mode is passed to ``wandb.init(mode=...)``: wandb's session may already exist (its settings
+    then ignore a later ``WANDB_MODE``), and without it wandb would ask for a login.
+    """
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
     from lightning.pytorch.loggers import WandbLogger
 
-    mode = wandb_mode()
-    offline = mode in ("offline", "dryrun", "disabled")
-    if offline:
-        os.environ.setdefault("WANDB_MODE", mode)
+    from train.wandb_mode import decide_wandb_mode
+
+    decision = decide_wandb_mode()
+    if decision.offline:
+        os.environ.setdefault("WANDB_MODE", decision.mode)  # ranks > 0 and tools started from this process
+    if rank_zero_only.rank == 0:
+        import sys
+
+        print(decision.line(run_dir), file=sys.stderr)
     logger = WandbLogger(project=str(cfg.train.wandb_project), name=run_dir.name, save_dir=str(run_dir),
-                         offline=offline, group=str(cfg.heads.type), id=wandb_run_id(run_dir), resume="allow")
+                         offline=decision.offline, group=str(cfg.heads.type), id=wandb_run_id(run_dir), resume="allow",
+                         mode=decision.mode)
     # lightning 2.6.6 always passes anonymous=None, which wandb >= 0.2x answers with a deprecation warning
     getattr(logger, "_wandb_init", {}).pop("anonymous", None)
     return logger

@@ -21,7 +21,8 @@ with the *consolidated* fp32 head weights (ZeRO-3 partitions gathered) through t
 CheckpointIO, plus one safetensors + JSON file per rank with that rank's ZeRO optimizer partition
 (fp32 master weights, Adam moments, step), which resume loads back into the engine.
 
-Bf16 mixed precision is the GPU default (``precision: auto``); CPUs run fp32.
+``train.precision=auto`` is bf16-mixed wherever bf16 is native (GPUs; CPUs with AMX or AMD
+avx512_bf16), else 32-true (:mod:`core.precision`, docs/precision.md).
 """
 from __future__ import annotations
 
@@ -127,10 +128,19 @@ def resolve_devices(value: Any, accelerator: str, num_nodes: int) -> int | list[
 
 
 def resolve_precision(value: str, accelerator: str) -> str:
-    """``auto`` -> ``bf16-mixed`` on GPUs, ``32-true`` on CPUs; else the Lightning string as given."""
-    if value == "auto":
-        return "bf16-mixed" if accelerator == "gpu" else "32-true"
-    return str(value)
+    """``auto`` -> ``bf16-mixed`` where bf16 is native on ``accelerator`` (any bf16 GPU; a CPU with
+    AMX or AMD avx512_bf16), else ``32-true``, with one line saying why; other Lightning strings as
+    given (:func:`core.precision.resolve_train_precision`; :func:`train.run.train` resolves before
+    the Trainer is built, so its ``config.yaml`` records what ran)."""
+    from core.precision import resolve_train_precision
+
+    return resolve_train_precision(value, accelerator)
+
+
+def legacy_auto_precision(accelerator: str) -> str:
+    """What ``train.precision=auto`` meant before it looked at the CPU's bf16 support: ``bf16-mixed``
+    on GPUs, ``32-true`` on CPUs (a resumed run recorded with ``auto`` keeps it)."""
+    return "bf16-mixed" if accelerator == "gpu" else "32-true"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +213,16 @@ class ZeroStrategy(DeepSpeedStrategy):
     def init_deepspeed(self) -> None:
         super().init_deepspeed()
         optimizer = getattr(self.deepspeed_engine, "optimizer", None)
+        zero_partition_padding(optimizer)
         inner = getattr(optimizer, "optimizer", None)
+        if inner is not None and getattr(self, "_finite_hook", None) is None:
+            # before the clamp: clipping by value would hide an inf (train.finite)
+            def check_partition_grads(opt, args, kwargs) -> None:
+                check = getattr(self.lightning_module, "check_partition_gradients", None)
+                if check is not None:
+                    check([p.grad for group in opt.param_groups for p in group["params"]])
+
+            self._finite_hook = inner.register_step_pre_hook(check_partition_grads)
         if self.clip_grad_value and inner is not None and self._clip_hook is None:
             value = self.clip_grad_value
 
@@ -214,6 +233,12 @@ class ZeroStrategy(DeepSpeedStrategy):
                             p.grad.clamp_(-value, value)
 
             self._clip_hook = inner.register_step_pre_hook(clamp_partition_grads)
+
+    def skipped_non_finite_step(self) -> bool:
+        """True when the engine's last optimizer step was skipped for a non-finite gradient
+        (DeepSpeed all-reduces the gradient norm, so every rank agrees; :mod:`train.finite`)."""
+        optimizer = getattr(getattr(self, "deepspeed_engine", None), "optimizer", None)
+        return bool(getattr(optimizer, "overflow", False))
 
     # -- checkpoints: see train.zero_checkpoint ------------------------------------------------
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any | None = None) -> None:
@@ -240,6 +265,37 @@ class ZeroStrategy(DeepSpeedStrategy):
         from train import zero_checkpoint
 
         return zero_checkpoint.full_fp32_state_dict(self)
+
+
+def zero_partition_padding(optimizer) -> int:
+    """Zero the alignment padding of ZeRO-3's flat partitions; return the padded element count.
+
+    ZeRO-3 pads every parameter's partition on the last rank to a multiple of the world size
+    (``optimizer.groups_padding``) in buffers allocated uninitialised, so the fp32 master flat
+    groups - and every checkpoint of them - held arbitrary bytes there (e.g. -1.7e38 in one run,
+    0 in its resumed twin): two identical trainings gave different checkpoints.  The padding maps
+    to no parameter and gets zero gradients, so zero stays zero under AdamW; nothing trained
+    changes.  No-op for stages 1/2 (no ``groups_padding`` of this form) and ``None``.
+    """
+    pads = getattr(optimizer, "groups_padding", None)
+    groups = getattr(optimizer, "fp16_partitioned_groups", None)
+    if not pads or groups is None or not hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        return 0
+    zeroed = 0
+    with torch.no_grad():
+        for i, (tensors, padding) in enumerate(zip(groups, pads)):
+            module_flats = getattr(optimizer, "fp16_partitioned_groups_flat", None) or []
+            flats = [optimizer.fp32_partitioned_groups_flat[i], module_flats[i] if i < len(module_flats) else None]
+            for flat in flats:
+                if flat is None or flat.numel() == 0:
+                    continue
+                offset = 0
+                for t, pad in zip(tensors, padding):
+                    if pad:
+                        flat[offset + t.numel() - pad: offset + t.numel()].zero_()
+                        zeroed += pad
+                    offset += t.numel()
+    return zeroed
 
 
 class CPUZeroStrategy(ZeroStrategy):

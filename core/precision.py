@@ -1,0 +1,257 @@
+"""Precision per stage: is bf16 native on this device, what ``auto`` means, and one line when it is not.
+
+Three settings choose a stage's arithmetic (docs/precision.md):
+
+* ``model.dtype`` - the dtype the base runs in wherever it computes *features* (data prep:
+  teacher-forced hidden states, greedy labels, regeneration; online / hybrid training).  It is
+  part of the feature definition (:mod:`data_prep.features`) and of the cache hash.
+* ``train.precision`` - the Lightning precision of the draft head's training step.
+* ``eval.dtype`` - the base and drafter at evaluation (unchanged here: no ``auto``).
+
+``auto`` resolves to bf16 only where bf16 is **native**, i.e. where a large bf16 matrix product
+is clearly faster than fp32 on this device (:func:`bf16_support`):
+
+* CUDA: ``torch.cuda.is_bf16_supported(including_emulation=False)`` (Ampere and later);
+* x86 CPU: AMX (``amx_bf16``), or ``avx512_bf16`` on AMD (Zen 4 and later: issue 26 measured a
+  bf16 GEMM at 4.6x fp32 on an EPYC), with oneDNN's bf16 path available
+  (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``);
+* aarch64 CPU: the ``bf16`` feature (BFMMLA).
+
+``avx512_bf16`` on an Intel CPU without AMX (Cooper Lake; Sapphire/Emerald Rapids guests whose
+hypervisor hides AMX) is **slow**: its bf16 dot product retires at the same FLOP rate as two fp32
+FMAs, so large bf16 GEMMs are no faster than fp32 (measured 0.6-0.7x here, docs/precision.md).
+A CPU with neither is **none**: bf16 is emulated, several times slower than fp32.
+
+``auto`` on a slow or none device resolves to fp32 and says why in one line; an explicit bf16
+request on a *slow* device runs, with one warning line; on a *none* device it is refused
+(:class:`core.config.ConfigError` naming the key) before anything is written.  Never silently slow.
+
+``DRAFTHEADS_BF16=native|slow|none`` forces the CPU answer (a CPU this table does not know; the
+test suite pins ``slow`` so that ``auto`` is fp32 on every machine).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from core.config import MODEL_DTYPES, ConfigError  # noqa: F401  (MODEL_DTYPES: this module's API)
+
+#: environment override of the CPU detection (values: :data:`LEVELS`)
+BF16_ENV = "DRAFTHEADS_BF16"
+LEVELS = ("native", "slow", "none")
+#: Lightning precisions that compute in bf16
+BF16_PRECISIONS = ("bf16-mixed", "bf16-true", "bf16")
+
+
+@dataclass(frozen=True)
+class Bf16Support:
+    """What bf16 costs on one device kind.
+
+    Attributes:
+        device: ``cpu`` or ``cuda``.
+        level: ``native`` (bf16 GEMMs clearly faster than fp32), ``slow`` (bf16 instructions, no
+            faster than fp32) or ``none`` (emulated).
+        reason: one clause naming what was detected (CPU flags, vendor, GPU name, or the override).
+    """
+
+    device: str
+    level: str
+    reason: str
+
+    @property
+    def native(self) -> bool:
+        return self.level == "native"
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """``(vendor, flags)`` of CPU 0 from ``/proc/cpuinfo`` (x86 ``flags`` / aarch64 ``Features``);
+    ``("", set())`` where there is no such file."""
+    vendor, flags = "", set()
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+    except OSError:
+        return vendor, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key == "vendor_id" and not vendor:
+            vendor = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+        if not line.strip() and flags:
+            break
+    return vendor, flags
+
+
+def _mkldnn_bf16() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def classify_cpu(vendor: str, flags: set[str], machine: str, mkldnn_bf16: bool) -> Bf16Support:
+    """The bf16 level of a CPU from its vendor string, flag set and architecture (pure; see module doc).
+
+    Args:
+        vendor: ``/proc/cpuinfo`` ``vendor_id`` (``AuthenticAMD``, ``GenuineIntel``, or empty).
+        flags: its ``flags`` (x86) or ``Features`` (aarch64).
+        machine: ``platform.machine()`` (``x86_64``, ``aarch64``, ``arm64``).
+        mkldnn_bf16: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``.
+    """
+    if machine in ("aarch64", "arm64"):
+        if "bf16" in flags:
+            return Bf16Support("cpu", "native", "aarch64 CPU with the bf16 feature (BFMMLA)")
+        return Bf16Support("cpu", "none", "aarch64 CPU without the bf16 feature: bf16 is emulated")
+    if "amx_bf16" in flags and mkldnn_bf16:
+        return Bf16Support("cpu", "native", "CPU with AMX (amx_bf16)")
+    if "avx512_bf16" in flags and vendor == "AuthenticAMD" and mkldnn_bf16:
+        return Bf16Support("cpu", "native", "AMD CPU with avx512_bf16 (Zen 4 or later)")
+    if "avx512_bf16" in flags or mkldnn_bf16:
+        return Bf16Support("cpu", "slow", f"{vendor or 'this'} CPU has avx512_bf16 but no AMX: its bf16 dot products "
+                                          "retire at fp32's FLOP rate, so large bf16 matrix products are no faster than fp32")
+    return Bf16Support("cpu", "none", "CPU without avx512_bf16 or AMX: bf16 is emulated, several times slower than fp32")
+
+
+@lru_cache(maxsize=None)
+def _detect_cpu() -> Bf16Support:
+    vendor, flags = _cpuinfo()
+    return classify_cpu(vendor, flags, platform.machine().lower(), _mkldnn_bf16())
+
+
+def bf16_support(device: str | torch.device = "cpu") -> Bf16Support:
+    """Whether bf16 is native on ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``gpu``).
+
+    ``$DRAFTHEADS_BF16`` (native | slow | none) overrides the CPU answer.
+
+    Raises:
+        ValueError: ``$DRAFTHEADS_BF16`` holds another value.
+    """
+    kind = torch.device("cuda" if str(device) == "gpu" else device).type
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return Bf16Support("cuda", "none", "no CUDA device")
+        name = torch.cuda.get_device_name()
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return Bf16Support("cuda", "native", f"{name} supports bf16")
+        return Bf16Support("cuda", "none", f"{name} has no native bf16 (compute capability < 8.0)")
+    forced = os.environ.get(BF16_ENV, "").strip().lower()
+    if forced:
+        if forced not in LEVELS:
+            raise ValueError(f"${BF16_ENV}={forced!r} is not valid; choices: {', '.join(LEVELS)}")
+        return Bf16Support("cpu", forced, f"${BF16_ENV}={forced}")
+    return _detect_cpu()
+
+
+_SAID: set[str] = set()
+
+
+def note(line: str, out=None) -> None:
+    """Print ``draftheads: <line>`` to stderr once per process (the one line a resolution owes)."""
+    if line in _SAID:
+        return
+    _SAID.add(line)
+    print(f"draftheads: {line}", file=out or sys.stderr, flush=True)
+
+
+def resolve_dtype(value: Any, key: str, device: str | torch.device = "cpu", check: bool = True) -> str:
+    """Resolve a base-compute dtype setting (``model.dtype``) for ``device``.
+
+    ``auto`` -> ``bfloat16`` where bf16 is native, else ``float32`` (one line saying why);
+    ``bfloat16`` on a *slow* device -> kept, one warning line; on a *none* device -> refused;
+    ``float32`` / ``float16`` pass through.
+
+    Args:
+        value: the setting (``auto`` | ``float32`` | ``bfloat16`` | ``float16``).
+        key: the config key, named in messages (e.g. ``model.dtype``).
+        device: where the computation runs.
+        check: print the resolution's line and refuse bf16 without instructions (a stage's entry
+            point); False only resolves (hashing a config, reading a recorded one).
+
+    Returns:
+        the torch dtype name that runs.
+
+    Raises:
+        core.config.ConfigError: ``value`` is not one of :data:`MODEL_DTYPES`, or bf16 was asked
+            for on a device without bf16 instructions (the message names ``key``).
+    """
+
+    value = str(value)
+    if value not in MODEL_DTYPES:
+        raise ConfigError(f"{key}={value!r} is not valid; choices: {', '.join(MODEL_DTYPES)}")
+    if value not in ("auto", "bfloat16"):
+        return value
+    s = bf16_support(device)
+    if value == "auto":
+        out = "bfloat16" if s.native else "float32"
+        if check:
+            note(f"{key}=auto -> {out} on {s.device} ({s.reason})")
+        return out
+    if not check:
+        return value
+    if s.level == "none":
+        raise ConfigError(f"{key}=bfloat16 on {s.device}: {s.reason}; use {key}=auto or float32")
+    if s.level == "slow":
+        note(f"warning: {key}=bfloat16 on {s.device} runs, but is not expected to be faster than float32 ({s.reason}); "
+             f"{key}=auto picks float32 here")
+    return value
+
+
+def resolve_train_precision(value: Any, accelerator: str, check: bool = True) -> str:
+    """Resolve ``train.precision`` for ``accelerator`` (``cpu`` | ``gpu``).
+
+    ``auto`` -> ``bf16-mixed`` where bf16 is native (any GPU with bf16; a CPU with AMX, or AMD
+    avx512_bf16), else ``32-true`` with one line saying why.  An explicit bf16 precision on a
+    *slow* CPU runs with one warning line, on a *none* device it is refused.  Other Lightning
+    strings pass through (``train.config_checks`` refuses float16 on CPUs).  ``check=False``
+    resolves without the line and without refusing.
+
+    Raises:
+        core.config.ConfigError: bf16 asked for where there are no bf16 instructions.
+    """
+
+    value = str(value)
+    device = "cuda" if accelerator in ("gpu", "cuda") else "cpu"
+    if value != "auto" and value not in BF16_PRECISIONS:
+        return value
+    s = bf16_support(device)
+    if value == "auto":
+        out = "bf16-mixed" if s.native else "32-true"
+        if check:
+            note(f"train.precision=auto -> {out} on {s.device} ({s.reason})")
+        return out
+    if not check:
+        return value
+    if s.level == "none":
+        raise ConfigError(f"train.precision={value} on {s.device}: {s.reason}; use train.precision=auto or 32-true")
+    if s.level == "slow":
+        note(f"warning: train.precision={value} on {s.device} runs, but is not expected to be faster than 32-true "
+             f"({s.reason}); train.precision=auto picks 32-true here")
+    return value
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``torch.float32`` for ``"float32"`` etc. (a resolved dtype name, never ``auto``)."""
+    dt = getattr(torch, str(name), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype name")
+    return dt
+
+
+def with_values(cfg, values: dict[str, Any]):
+    """A copy of the composed config ``cfg`` with dotted ``key: value`` pairs set (the resolved
+    settings a stage records in its output's ``config.yaml``); ``cfg`` itself is unchanged."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    out = copy.deepcopy(cfg)
+    for key, value in values.items():
+        OmegaConf.update(out, key, value, merge=False)
+    return out

@@ -1,0 +1,158 @@
+"""Training to convergence, the training side (issue 27): validation log-spaced in tokens seen and
+resumable, ``best/`` chosen by validation τ (not by loss), the run record and the τ plot."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.config import ConfigError, compose
+
+
+@pytest.fixture(scope="module")
+def cache(tiny_model_dir, tmp_path_factory):
+    from data_prep.synthetic import write_random_cache
+
+    return write_random_cache(tmp_path_factory.mktemp("vs") / "cache", tiny_model_dir, n_train=10, n_val=3,
+                              length_range=(6, 30))
+
+
+def _args(cache, out, name, *extra):
+    return ["heads=ctc", "heads.attn_implementation=eager", "train.logger=csv", "train.progress_bar=false",
+            "train.sanity_val_steps=0", f"output_root={out}", f"train.cache_dir={cache}", f"train.run_name={name}",
+            "train.accelerator=cpu", "train.devices=1", "train.batch_size=2", "train.max_tokens=40", *extra]
+
+
+def _replayed_tokens(result) -> list[int]:
+    """Tokens seen after each optimizer step, replayed from the sampler (train.data.tokens_seen)."""
+    from train.data import record_lengths, tokens_seen
+
+    trainer = result["trainer"]
+    dm = trainer.datamodule
+    lengths = record_lengths(dm.train_reader)
+    return [tokens_seen(lengths, dm.train_batches, s, seed=0) for s in range(trainer.global_step + 1)]
+
+
+def test_next_threshold_and_due_rule():
+    from train.val_schedule import log_due, next_threshold
+
+    assert next_threshold(100, 99, 2.0) == 100
+    assert next_threshold(100, 100, 2.0) == 200 and next_threshold(100, 450, 2.0) == 800
+    assert next_threshold(1, 1, 1.01) == 2  # always grows by at least one token
+    assert log_due(100, 100, 3, 0, 50, 10) and not log_due(99, 100, 3, 0, 50, 10)
+    assert log_due(0, 100, 50, 0, 50, 1000)  # at most every_n_steps apart
+    assert log_due(0, 100, 10, 9, 50, 10)  # the last step
+    with pytest.raises(ValueError):
+        next_threshold(10, 0, 1.0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train.val_schedule=often"], "train.val_schedule"),
+    (["train.val_factor=1"], "train.val_factor=1 must be a number > 1"),
+    (["train.val_first_tokens=0"], "train.val_first_tokens=0 must be an integer >= 1"),
+    (["train.save_top_k=0"], "train.save_top_k=0 must be an integer >= 1, or -1"),
+    (["train.verify_cache=never"], "train.verify_cache"),
+])
+def test_bad_schedule_values_are_refused(args, message):
+    with pytest.raises(ConfigError, match=message):
+        compose(args)
+    compose(["train.save_top_k=-1", "train.val_schedule=log", "train.verify_cache=full"])
+
+
+def test_runs_recorded_before_the_schedule_keys_still_resume():
+    from train.resume import changed_run_keys
+
+    now = {"train": {"val_schedule": "steps", "val_first_tokens": 32768, "val_factor": 2.0, "max_steps": 5}}
+    assert changed_run_keys({"train": {"max_steps": 5}}, now) == {}
+    now["train"]["val_schedule"] = "log"
+    assert set(changed_run_keys({"train": {"max_steps": 5}}, now)) == {"train.val_schedule"}
+
+
+def test_best_is_the_highest_tau_checkpoint_while_the_loss_keeps_falling(tiny_base, cache, tmp_path, monkeypatch):
+    """Planted validation metrics: the loss falls at every validation, τ peaks at the third and then
+    falls (EAGLE-3's curve).  best/ must be the τ peak's checkpoint, not the lowest loss; the record
+    lists every validation with the tokens the sampler really fed."""
+    from safetensors.torch import load_file
+
+    from train.checkpoint_io import SafetensorsCheckpointIO
+    from train.module import DraftHeadModule
+    from train.run import train
+
+    planted = {2: (5.0, 1.10), 4: (4.0, 1.60), 6: (3.0, 1.40), 8: (2.0, 1.20)}
+
+    def planted_validation(self):
+        loss, tau = planted[int(self.global_step)]
+        return {"loss": loss, "sim_tau": tau}
+
+    monkeypatch.setattr(DraftHeadModule, "aggregated_validation", planted_validation)
+    result = train(compose(_args(cache, tmp_path, "planted", "train.max_steps=8", "train.val_every_n_steps=2",
+                                 "train.save_top_k=-1", "train.optimizer.lr=0.01")), base=tiny_base)
+    run_dir = result["run_dir"]
+    best = json.loads((run_dir / "best" / "config.json").read_text())["extra"]
+    assert best["global_step"] == 4 and best["score"] == pytest.approx(1.60) and best["monitor"] == "val/sim_tau"
+    in_ckpt = SafetensorsCheckpointIO().load_checkpoint(run_dir / "checkpoints" / "step0000004.ckpt")["state_dict"]
+    exported, last = load_file(run_dir / "best" / "model.safetensors"), load_file(run_dir / "last" / "model.safetensors")
+    for k, v in exported.items():
+        assert torch.equal(v, in_ckpt[f"head.{k}"]), k
+    assert any(not torch.equal(exported[k], last[k]) for k in exported)  # not the final (lowest-loss) weights
+    record = json.loads((run_dir / "record.json").read_text())
+    tokens = _replayed_tokens(result)
+    assert [(v["step"], v["metrics"]["loss"], v["metrics"]["sim_tau"], v["tokens_seen"]) for v in record["validations"]] \
+        == [(s, loss, tau, tokens[s]) for s, (loss, tau) in planted.items()]
+    assert record["best"]["step"] == 4 and record["monitor"] == "val/sim_tau" and record["tokens_seen"] == tokens[8]
+    assert record["checkpoints"] == [f"step{s:07d}.ckpt" for s in planted]  # save_top_k=-1 keeps every one
+    assert (run_dir / "val_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_log_schedule_follows_tokens_seen_and_survives_resume(tiny_base, tiny_model_dir, cache, tmp_path):
+    """val_schedule=log validates where the replayed tokens seen first reach first·2^k, at most
+    every_n_steps apart and at the last step; a run killed mid-way and resumed validates at the
+    same steps with the same counts."""
+    from lightning.pytorch.callbacks import Callback
+
+    import train.run as run_mod
+    from train.run import train
+
+    extra = ("train.max_steps=14", "train.val_every_n_steps=6", "train.val_schedule=log", "train.val_first_tokens=30",
+             "train.val_factor=2.0")
+    full = train(compose(_args(cache, tmp_path, "full", *extra)), base=tiny_base)
+    tokens = _replayed_tokens(full)
+    expected, threshold, last = [], 30, 0
+    for s in range(1, 15):
+        if tokens[s] >= threshold or s - last >= 6 or s == 14:
+            expected.append(s)
+            last = s
+            while threshold <= tokens[s]:
+                threshold *= 2
+    record = json.loads((full["run_dir"] / "record.json").read_text())
+    assert [v["step"] for v in record["validations"]] == expected
+    assert [v["tokens_seen"] for v in record["validations"]] == [tokens[s] for s in expected]
+    assert len(expected) >= 4 and expected[-1] == 14  # dense early, then every <= 6 steps
+
+    crash_at = expected[2] + 1  # killed after the third validation's checkpoint
+
+    class Crash(RuntimeError):
+        pass
+
+    class CrashAfter(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step >= crash_at:
+                raise Crash
+
+    original = run_mod.build_trainer
+    run_mod.build_trainer = lambda cfg, run_dir, callbacks=None, **kw: original(cfg, run_dir, [*(callbacks or []),
+                                                                                             CrashAfter()], **kw)
+    try:
+        with pytest.raises(Crash):
+            train(compose(_args(cache, tmp_path, "part", *extra)), base=tiny_base)
+    finally:
+        run_mod.build_trainer = original
+    part_record = json.loads((tmp_path / "runs" / "ctc" / "part" / "record.json").read_text())
+    assert [v["step"] for v in part_record["validations"]] == [s for s in expected if s <= crash_at]
+    resumed = train(compose(_args(cache, tmp_path, "part", *extra, "resume=auto")), base=tiny_base)
+    again = json.loads((resumed["run_dir"] / "record.json").read_text())
+    assert [(v["step"], v["tokens_seen"]) for v in again["validations"]] == \
+        [(v["step"], v["tokens_seen"]) for v in record["validations"]]
+    assert again["tokens_seen"] == record["tokens_seen"] == tokens[14]

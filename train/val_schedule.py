@@ -1,0 +1,244 @@
+"""When validation runs, and the run's record of every validation: tokens seen, step, loss, τ.
+
+``train.val_schedule``:
+
+* ``steps`` (default) - every ``train.val_every_n_steps`` optimizer steps (Lightning's own
+  ``val_check_interval``).
+* ``log`` - dense in tokens seen: the first validation once ``train.val_first_tokens`` tokens were
+  seen, the next each time tokens seen grew by ``train.val_factor`` (thresholds
+  ``first · factor^k``), never more than ``train.val_every_n_steps`` optimizer steps apart (so late
+  in a long run validation still comes every N steps), and always at the last optimizer step (so
+  ``best/`` can be the final weights).  Public learning curves (EAGLE-3) show τ arriving early and
+  then falling while the loss still falls; a log schedule sees both.
+
+Tokens seen = the non-padding tokens of every training micro-batch on every rank (the quantity
+:func:`train.data.tokens_seen` replays), counted at optimizer-step boundaries.  Validation is
+decided at the end of the batch that completes an optimizer step; for ``log`` the decision is given
+to Lightning through ``trainer.val_check_batch`` (set to this batch's index + 1 when due, else to a
+value never reached), so the validation, its checkpoints (``train.resume.RunCheckpoint``) and the
+pre-emption path (``train.resume.Preemption``) are Lightning's as for ``steps``.
+
+:class:`ValidationSchedule` keeps the counter, the next threshold, the last validated step and the
+list of validations in every checkpoint (Lightning callback state), so a resumed run continues the
+same schedule and its record holds exactly the validations up to the resumed step.  At each
+validation global rank 0 writes
+
+* ``<run_dir>/record.json`` - the monitor (``val/sim_tau`` max for heads with a simulated τ,
+  ``val/loss`` min for the others), the schedule, each validation's ``step``, ``epoch``,
+  ``tokens_seen`` and metrics (``loss``, ``sim_tau``, ...), the best validation by the monitor and
+  the checkpoints kept (``train.save_top_k``; -1 keeps every validation's);
+* ``<run_dir>/val_curve.png`` - validation τ (or the monitor) and loss against tokens seen
+  (matplotlib, Agg canvas).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+KINDS = ("steps", "log")
+RECORD = "record.json"
+PLOT = "val_curve.png"
+FORMAT = "draftheads-run-record-v1"
+#: ``trainer.val_check_batch`` when no validation is due: ``(batch + 1) % NEVER`` is never 0
+NEVER = sys.maxsize
+
+
+def next_threshold(threshold: int, tokens_seen: int, factor: float) -> int:
+    """The first log-spaced threshold ``threshold · factor^k`` (k >= 0, each step rounded up) above ``tokens_seen``.
+
+    Raises:
+        ValueError: ``factor`` <= 1 or ``threshold`` < 1.
+    """
+    if not factor > 1 or threshold < 1:
+        raise ValueError(f"log schedule needs factor > 1 and threshold >= 1, got {factor}, {threshold}")
+    while threshold <= tokens_seen:
+        threshold = max(threshold + 1, math.ceil(threshold * factor))
+    return int(threshold)
+
+
+def log_due(tokens_seen: int, threshold: int, step: int, last_val_step: int, every_n_steps: int,
+            total_steps: int) -> bool:
+    """Whether the ``log`` schedule validates after optimizer step ``step``: tokens seen reached the
+    next threshold, or ``every_n_steps`` steps passed since the last validation, or ``step`` is the last."""
+    return tokens_seen >= threshold or step - last_val_step >= every_n_steps or step >= total_steps
+
+
+def best_validation(validations: list[dict[str, Any]], monitor: str, mode: str) -> dict[str, Any] | None:
+    """The validation with the best ``monitor`` value (``val/<name>``; ``max`` or ``min``), the earliest
+    on ties, ignoring non-finite values; None when none has the metric."""
+    name = monitor[4:] if monitor.startswith("val/") else monitor
+    scored = [v for v in validations if isinstance(v.get("metrics", {}).get(name), (int, float))
+              and math.isfinite(v["metrics"][name])]
+    if not scored:
+        return None
+    sign = 1.0 if mode == "max" else -1.0
+    return max(scored, key=lambda v: (sign * v["metrics"][name], -v["step"]))
+
+
+class ValidationSchedule(Callback):
+    """Counts tokens seen, decides the ``log`` schedule's validations, records every validation.
+
+    Args:
+        kind: ``steps`` | ``log`` (module docstring).
+        every_n_steps: ``train.val_every_n_steps`` (``log``: the largest gap between validations).
+        first_tokens, factor: ``train.val_first_tokens``, ``train.val_factor`` (``log`` only).
+        run_dir: where ``record.json`` and ``val_curve.png`` go (None: nothing written).
+        monitor, mode: the checkpoint monitor (``train.module.head_monitor``).
+        checkpoint_dir: the run's checkpoint directory (the kept checkpoints are listed in the record).
+    """
+
+    def __init__(self, kind: str, every_n_steps: int, first_tokens: int = 32768, factor: float = 2.0,
+                 run_dir: str | os.PathLike | None = None, monitor: str = "val/sim_tau", mode: str = "max",
+                 checkpoint_dir: str | os.PathLike | None = None) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"train.val_schedule={kind!r}; choices: {', '.join(KINDS)}")
+        self.kind = kind
+        self.every_n_steps = int(every_n_steps)
+        self.first_tokens = int(first_tokens)
+        self.factor = float(factor)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.monitor, self.mode = monitor, mode
+        self.tokens_seen = 0
+        self.threshold = self.first_tokens
+        self.last_val_step = 0
+        self.validations: list[dict[str, Any]] = []
+        self._pending = 0  # this rank's tokens since the last optimizer step
+        self._total = 0  # optimizer-step budget of the fit (set at train start)
+
+    # -- resume state ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokens_seen": int(self.tokens_seen), "threshold": int(self.threshold),
+                "last_val_step": int(self.last_val_step), "validations": [dict(v) for v in self.validations]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.threshold = int(state.get("threshold", self.first_tokens))
+        self.last_val_step = int(state.get("last_val_step", 0))
+        self.validations = [dict(v) for v in state.get("validations", [])]
+
+    # -- counting and deciding ---------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._pending = 0
+        # the optimizer-step budget (an epoch budget's estimate), fixed for the fit
+        self._total = int(pl_module.total_steps()) if hasattr(pl_module, "total_steps") else int(trainer.max_steps)
+        if self.kind == "log":
+            trainer.val_check_batch = NEVER
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        if mask is not None:
+            self._pending += int(mask.sum())
+        loop = trainer.fit_loop.epoch_loop
+        if loop._should_accumulate():  # mid-window: no optimizer step, no validation
+            if self.kind == "log":
+                trainer.val_check_batch = NEVER
+            return
+        seen = self._pending
+        if trainer.world_size > 1:
+            import torch
+
+            flag = torch.tensor([seen], dtype=torch.long, device=trainer.strategy.root_device)
+            seen = int(trainer.strategy.reduce(flag, reduce_op="sum").item())
+        self.tokens_seen += int(seen)
+        self._pending = 0
+        if self.kind == "log":
+            due = log_due(self.tokens_seen, self.threshold, int(trainer.global_step), self.last_val_step,
+                          self.every_n_steps, self._total)
+            trainer.val_check_batch = loop.total_batch_idx + 1 if due else NEVER
+
+    # -- recording ---------------------------------------------------------------------------
+    def on_validation_end(self, trainer, pl_module) -> None:
+        """Record this validation (before ``RunCheckpoint`` saves: Lightning runs checkpoint callbacks last,
+        so the checkpoint of this step holds it) and advance the schedule past it."""
+        if trainer.sanity_checking:
+            return
+        step = int(trainer.global_step)
+        values = dict(getattr(pl_module, "validation_results", {}) or {})
+        entry = {"step": step, "epoch": int(trainer.current_epoch), "tokens_seen": int(self.tokens_seen),
+                 "metrics": {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None)
+                             for k, v in sorted(values.items())}}
+        self.validations = [v for v in self.validations if v["step"] != step] + [entry]
+        self.last_val_step = step
+        if self.kind == "log":
+            self.threshold = next_threshold(self.threshold, self.tokens_seen, self.factor)
+        self.write(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.write(trainer)  # the checkpoints kept after the last save
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.write(trainer)
+
+    def record(self) -> dict[str, Any]:
+        """The run record (module docstring) as a JSON-ready dict."""
+        kept = sorted(p.name for p in self.checkpoint_dir.glob("step*.ckpt")) if self.checkpoint_dir and \
+            self.checkpoint_dir.is_dir() else []
+        best = best_validation(self.validations, self.monitor, self.mode)
+        return {"format": FORMAT, "monitor": self.monitor, "mode": self.mode,
+                "val_schedule": {"kind": self.kind, "every_n_steps": self.every_n_steps,
+                                 **({"first_tokens": self.first_tokens, "factor": self.factor} if self.kind == "log" else {})},
+                "tokens_seen": int(self.tokens_seen), "validations": list(self.validations),
+                "best": best, "checkpoints": kept}
+
+    def write(self, trainer) -> None:
+        """Write ``record.json`` and ``val_curve.png`` (global rank 0; atomic)."""
+        if self.run_dir is None or not trainer.is_global_zero or not self.run_dir.is_dir():
+            return
+        from core.io import atomic_write_json
+
+        record = self.record()
+        atomic_write_json(self.run_dir / RECORD, record)
+        if record["validations"]:
+            plot_curve(record, self.run_dir / PLOT, title=self.run_dir.name)
+
+
+def plot_curve(record: dict[str, Any], path: str | os.PathLike, title: str = "") -> Path:
+    """Validation τ (or the record's monitor) and loss against tokens seen (log x axis), the best
+    validation starred; written atomically as a PNG."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from core.io import atomic_write_bytes
+
+    vals = record["validations"]
+    monitor = str(record.get("monitor", "val/sim_tau"))
+    name = monitor[4:] if monitor.startswith("val/") else monitor
+    shown = "sim_tau" if any(v["metrics"].get("sim_tau") is not None for v in vals) else name
+    x = [max(1, int(v["tokens_seen"])) for v in vals]
+    fig = Figure(figsize=(6.4, 4.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ys = [v["metrics"].get(shown) for v in vals]
+    label = "validation τ (simulated, incl. bonus)" if shown == "sim_tau" else f"val/{shown}"
+    ax.plot(x, [float("nan") if y is None else y for y in ys], "o-", color="tab:blue", label=label)
+    best = record.get("best")
+    if best is not None and best["metrics"].get(shown) is not None:
+        ax.plot([max(1, best["tokens_seen"])], [best["metrics"][shown]], "*", color="tab:red", markersize=14,
+                label=f"best/ (step {best['step']})")
+    ax.set_xscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel(label, color="tab:blue")
+    if shown != "loss" and any(v["metrics"].get("loss") is not None for v in vals):
+        ax2 = ax.twinx()
+        ax2.plot(x, [float("nan") if v["metrics"].get("loss") is None else v["metrics"]["loss"] for v in vals],
+                 "s--", color="tab:gray", markersize=3, label="val/loss")
+        ax2.set_ylabel("val/loss", color="tab:gray")
+        ax2.ticklabel_format(axis="y", useOffset=False)
+    ax.legend(loc="best", fontsize=8)
+    ax.set_title(f"{title}: validation against tokens seen" if title else "validation against tokens seen", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
+    return Path(path)
