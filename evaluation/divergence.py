@@ -144,10 +144,11 @@ class Accountant:
         self._fp32 = None
 
     @classmethod
-    def for_run(cls, cfg, model, tokenizer, decoders) -> "Accountant | None":
+    def for_run(cls, cfg, model, tokenizer, decoders, load: Callable[[], Any] | None = None) -> "Accountant | None":
         """The accountant of a greedy evaluation whose base is not fp32 (None otherwise: fp32 parity
         is exact).  Turns on ``trace_logits`` of every decoder that has it, and loads the fp32
-        copy from ``cfg.model`` with ``dtype=float32`` when first needed."""
+        copy from ``cfg.model`` with ``dtype=float32`` when first needed (or calls ``load``, which
+        returns it: the runner shares one fp32 copy with :mod:`evaluation.fastest_vanilla`)."""
         if model.dtype == torch.float32 or float(cfg.eval.get("temperature") or 0.0) > 0:
             return None
         for d in decoders:
@@ -155,7 +156,7 @@ class Accountant:
                 d.trace_logits = True
         dev = next(model.parameters()).device
 
-        def load():
+        def load_fp32():
             from core.base_model import load_base_model
             from core.config import to_container
 
@@ -165,7 +166,7 @@ class Accountant:
                      str(model.dtype).replace("torch.", ""))
             return load_base_model(mc)[0].to(dev)
 
-        return cls(model, load, tokenizer)
+        return cls(model, load or load_fp32, tokenizer)
 
     def fp32_logits(self, prefix: torch.Tensor) -> torch.Tensor:
         """fp32 logits [V] after ``prefix`` [T'] (one forward of the fp32 copy)."""

@@ -114,6 +114,17 @@ def probe_text(probe: dict[str, Any] | None) -> str:
             f"{par.get('matched', '-')}/{par.get('total', '-')}")
 
 
+def fastest_vanilla_line(fv: dict[str, Any] | None, dtype: str | None) -> str:
+    """``speed headline: 0.91x against the fastest vanilla, float32 (41.2 tok/s; bfloat16: 30.1)``, or
+    an empty string when the run timed no other vanilla (:mod:`evaluation.fastest_vanilla`)."""
+    if not fv or len(fv.get("candidates") or {}) < 2:
+        return ""
+    sp = "-" if fv.get("speedup") is None else f"{fv['speedup']:.2f}x"
+    others = "; ".join(f"{k}: {'-' if v is None else f'{v:.1f}'}" for k, v in fv["candidates"].items() if k != fv["label"])
+    tps = "-" if fv.get("tokens_per_s") is None else f"{fv['tokens_per_s']:.1f}"
+    return f"speed headline: {sp} against the fastest vanilla, {fv['label']} ({tps} tok/s; {others})"
+
+
 def format_summary(report: dict[str, Any]) -> str:
     """A few human-readable lines for the console."""
     m, v = report["method"], report["vanilla"]
@@ -143,6 +154,7 @@ def format_summary(report: dict[str, Any]) -> str:
         f"base forwards/token: vanilla {fmt(v['base_forwards_per_token'])}, method {fmt(m.get('base_forwards_per_token'))}",
         f"tokens/s: vanilla {fmt(v['tokens_per_s'], '{:.1f}')}, method {fmt(m.get('tokens_per_s'), '{:.1f}')}  "
         f"speedup {fmt(report.get('speedup'), '{:.2f}')}x  (drafter time share {fmt(m.get('drafter_time_share'), '{:.2f}')})",
+        *[x for x in [fastest_vanilla_line(report.get("fastest_vanilla"), report.get("dtype"))] if x],
         tree_line(report.get("tree")),
         *[f"WARNING: {w}" for w in (report.get("tree") or {}).get("warnings") or []],
         phases_line(report.get("phases")),

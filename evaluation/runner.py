@@ -30,6 +30,7 @@ from core.config import save_config, to_container
 from core.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from decoding.vanilla import check_context_limit, eos_token_ids, greedy_generate, sample_generate
 from evaluation.divergence import Accountant, add_accounting, failing_ids
+from evaluation.fastest_vanilla import build_references, fastest, reference_labels
 from evaluation.methods import build_decoder, checkpoint_label, resolve_device, row_consistent_products, variant_configs
 from evaluation.plots import plot
 from evaluation.progress import Progress, absolute_paths, progress_fingerprint, prompt_digest
@@ -70,8 +71,11 @@ def _timed(fn, ids, max_new, device):
     return [int(t) for t in out], stats, time.perf_counter() - t0
 
 
-def _decode_prompt(p, reference, decoders, max_new: int, device, repeats: int = 1) -> dict[str, Any]:
+def _decode_prompt(p, reference, decoders, max_new: int, device, repeats: int = 1, refs=None) -> dict[str, Any]:
     """Vanilla, then every decoder, on one prompt (timed separately): a JSON-safe record.
+
+    ``refs`` (``{label: generate}``, :mod:`evaluation.fastest_vanilla`): other vanillas timed right
+    after vanilla in every round; ``rec["vanilla_refs"][label]`` holds their token count and seconds.
 
     With ``repeats`` > 1 the whole round (vanilla, then each decoder) runs ``repeats`` times,
     interleaved so load drift hits all alike.  Tokens and stats are kept from the first round
@@ -93,7 +97,13 @@ def _decode_prompt(p, reference, decoders, max_new: int, device, repeats: int = 
             elif toks != slot["tokens"]:
                 slot["repeat_mismatch"].append(r + 1)
             slot["seconds_repeats"].append(sec)
-    for slot in [rec["vanilla"], *rec["methods"]]:
+            if j == 0:
+                for label, fn in (refs or {}).items():
+                    toks_r, _, sec_r = _timed(fn, p.input_ids, max_new, device)
+                    ref_slot = rec.setdefault("vanilla_refs", {}).setdefault(label, {"tokens": len(toks_r),
+                                                                                     "seconds_repeats": []})
+                    ref_slot["seconds_repeats"].append(sec_r)
+    for slot in [rec["vanilla"], *rec["methods"], *rec.get("vanilla_refs", {}).values()]:
         slot["seconds"] = sum(slot["seconds_repeats"]) / len(slot["seconds_repeats"])
     return rec
 
@@ -221,7 +231,21 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     decoders = [m[2] for m in methods] + [methods[j][3].pop("probe_decoder") for j in probe_owners]
     probes = ProbeTallies(probe_owners, len(methods))
     # bf16 / fp16 greedy: every divergence from vanilla (methods and probes) is accounted for (near tie or real error)
-    accountant = Accountant.for_run(cfg, model, tokenizer, decoders)
+    loaded: dict[str, Any] = {}
+
+    def load_base(dtype: str):  # the base in another dtype (fp32 margins, fastest vanilla): once per dtype
+        if dtype not in loaded:
+            from core.base_model import load_base_model
+
+            mc = to_container(cfg.model)
+            mc["dtype"] = dtype
+            loaded[dtype] = load_base_model(mc)[0].to(device)
+        return loaded[dtype]
+
+    accountant = Accountant.for_run(cfg, model, tokenizer, decoders, load=lambda: load_base("float32"))
+    # the speed headline is against the fastest vanilla on this machine (eval.fastest_vanilla)
+    refs = build_references(reference_labels(ev, model, device, row_padded), model, load_base, eos_ids)
+    ref_tally: dict[str, dict[str, float]] = {label: {"tokens": 0, "seconds": 0.0, "prompts": 0} for label in refs}
     out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, methods[0][3])
     out_dir.mkdir(parents=True, exist_ok=True)
     # refuses (before anything is written) when out_dir holds results and resume is not auto
@@ -234,6 +258,8 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
 
     for _ in range(int(ev.get("warmup") or 0)):  # untimed: allocator, kernels, lazy imports
         reference(prompts[0].input_ids, min(8, max_new))
+        for fn in refs.values():
+            fn(prompts[0].input_ids, min(8, max_new))
         for d in decoders:
             d.generate(prompts[0].input_ids, min(8, max_new))
 
@@ -273,7 +299,7 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
         status = run_status(error, prompts, tallied, done[len(tallied)] if len(done) > len(tallied) else None, phases)
         return _write_outputs(out_dir, methods, acc, identity, device, model, ev, tallied, skipped + skipped_turns,
                               max_new, eos_ids, van_tokens, van_seconds, van_forwards, status, state,
-                              raise_on_mismatch=error is None, probes=probes)
+                              raise_on_mismatch=error is None, probes=probes, ref_tally=ref_tally)
 
     state["finish"] = finish
     for i, p in enumerate(units()):
@@ -285,7 +311,7 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
         if rec is not None and len(rec["methods"]) != len(decoders):
             rec = None  # decoded with(out) a probe tree this run does not (does): decode it again
         if rec is None:
-            rec = _decode_prompt(p, reference, decoders, max_new, device, repeats)
+            rec = _decode_prompt(p, reference, decoders, max_new, device, repeats, refs)
             if accountant is not None:
                 accountant.annotate(rec, p.input_ids, decoders)
             progress.append(rec)
@@ -294,6 +320,11 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
         van_tokens += len(ref)
         van_seconds += v_sec
         van_forwards += vstats["base_forwards"] + vstats["prefill_forwards"]
+        for label, r in (rec.get("vanilla_refs") or {}).items():
+            if label in ref_tally:
+                ref_tally[label]["tokens"] += r["tokens"]
+                ref_tally[label]["seconds"] += r["seconds"]
+                ref_tally[label]["prompts"] += 1
         for (name, _, _, _), a, m in zip(methods, acc, rec["methods"]):
             out, mstats, m_sec = m["tokens"], m["stats"], m["seconds"]
             match = (out == ref) if temperature == 0 else None
@@ -329,7 +360,7 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
 
 
 def _write_outputs(out_dir, methods, acc, identity, device, model, ev, done, skipped, max_new, eos_ids, van_tokens,
-                   van_seconds, van_forwards, status, state, raise_on_mismatch=True, probes=None):
+                   van_seconds, van_forwards, status, state, raise_on_mismatch=True, probes=None, ref_tally=None):
     """The run's outputs from the per-prompt tallies: per method ``report.json`` + ``acceptance.png``,
     and ``summary.json`` / ``summary.md``; ``status`` (:func:`run_status`) goes into each report.
     Returns the result of :func:`run_evaluation` (with ``raise_on_mismatch`` False, after a
@@ -343,6 +374,8 @@ def _write_outputs(out_dir, methods, acc, identity, device, model, ev, done, ski
         rep = build_report(info, identity, device, model, vcfg.eval, done, skipped, max_new, eos_ids, vanilla,
                       a["stats"], a["seconds"], a["tokens"], a["rows"], dec, vdir)
         add_accounting(rep)  # bf16: parity.mode = accounting (near ties vs real errors); fp32 parity stays exact
+        rep["fastest_vanilla"] = fastest(str(rep.get("dtype")), vanilla, ref_tally or {},
+                                         rep["method"].get("tokens_per_s"), len(done))
         rep.update(status)
         measured = probes.summary(j, vanilla) if probes is not None else None
         if measured is not None and (rep.get("tree") or {}).get("probe") is not None:

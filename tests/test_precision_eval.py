@@ -339,3 +339,56 @@ def test_verify_tree_feeds_the_top_ranked_path_in_the_one_token_steps_layout(tin
     for a, b in zip(c0.layers, fresh.layers):
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+
+
+# -- the speed headline against the fastest vanilla ------------------------------------------------
+def test_bf16_report_is_against_the_fastest_vanilla_timed_in_the_same_run(tiny_model_dir, tmp_path):
+    """A bf16 evaluation also times fp32 vanilla on the same prompts (eval.fastest_vanilla=auto): the
+    report names the fastest vanilla, its tokens/s, and the method's speedup against it; summary.md
+    shows every vanilla.  Forcing one-row padding on the tiny model adds the native-kernel bf16 vanilla."""
+    import decoding.numerics as numerics
+
+    torch.set_num_threads(1)
+    cfg = _cfg(tiny_model_dir, tmp_path, "checkpoint=oracle", "eval.reference_depth=2")
+    real = numerics.one_row_differs
+    numerics.one_row_differs = lambda w, b=None, **k: tuple(w.shape) == (64, 128) or real(w, b, **k)
+    try:
+        rep = run_evaluation(cfg)
+    finally:
+        numerics.one_row_differs = real
+    fv = rep["fastest_vanilla"]
+    assert rep["info"]["row_consistent_layers"] > 0
+    assert set(fv["candidates"]) == {"bfloat16", "float32", "bfloat16 (native one-row kernels)"}
+    assert all(v > 0 for v in fv["candidates"].values()) and fv["candidates"]["bfloat16"] == rep["vanilla"]["tokens_per_s"]
+    assert fv["label"] == max(fv["candidates"], key=fv["candidates"].get)
+    assert fv["tokens_per_s"] == fv["candidates"][fv["label"]]
+    assert fv["speedup"] == pytest.approx(rep["method"]["tokens_per_s"] / fv["tokens_per_s"])
+    rec = [r for r in map(json.loads, (tmp_path / "out" / "progress.jsonl").read_text().splitlines())
+           if "methods" in r][0]
+    assert set(rec["vanilla_refs"]) == {"float32", "bfloat16 (native one-row kernels)"}
+    assert rec["vanilla_refs"]["float32"]["tokens"] > 0
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "## Against the fastest vanilla" in md and f"| {fv['label']} |" in md
+
+
+def test_fp32_report_times_bf16_vanilla_only_where_bf16_is_native(tiny_model_dir, tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    cfg = _cfg(tiny_model_dir, tmp_path, "checkpoint=oracle", "eval.dtype=float32", "eval.reference_depth=2")
+    rep = run_evaluation(cfg)  # the suite pins DRAFTHEADS_BF16=slow: bf16 cannot be the faster vanilla
+    assert rep["fastest_vanilla"]["candidates"] == {"float32": rep["vanilla"]["tokens_per_s"]}
+    assert rep["fastest_vanilla"]["label"] == "float32" and "mode" not in rep["parity"]
+    assert rep["parity"]["matched"] == rep["parity"]["total"]  # fp32: exact parity, as before
+    monkeypatch.setenv("DRAFTHEADS_BF16", "native")
+    cfg = _cfg(tiny_model_dir, tmp_path, "checkpoint=oracle", "eval.dtype=float32", "eval.reference_depth=2",
+               f"eval.output_dir={tmp_path / 'out2'}")
+    rep = run_evaluation(cfg)
+    assert set(rep["fastest_vanilla"]["candidates"]) == {"float32", "bfloat16"}
+
+
+def test_bad_fastest_vanilla_is_refused_before_anything_is_written(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as exc:
+        main([f"model.path={tiny_model_dir}", f"output_root={tmp_path / 'root'}", f"eval.output_dir={out}",
+              "checkpoint=oracle", "eval.fastest_vanilla=fp64"])
+    assert exc.value.code == 2 and "eval.fastest_vanilla" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "root").exists()
