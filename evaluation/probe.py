@@ -43,8 +43,8 @@ class ProbeTallies:
     def summary(self, method_index: int, vanilla: dict[str, Any]) -> dict[str, Any] | None:
         """The measured figures of the probe of method ``method_index`` (None if it has none):
         ``tau``, ``acceptance_per_depth``, ``drafter_passes_per_step``, ``tokens_per_s``,
-        ``speedup`` (against the same vanilla pass) and ``parity`` {matched, total, mismatched_ids, near_tie_ids}
-        (matched counts neither)."""
+        ``speedup`` (against the same vanilla pass) and ``parity`` {matched, total, mismatched_ids} plus
+        ``near_tie_ids`` when a bf16 run had near ties (matched counts neither)."""
         if method_index not in self.owners:
             return None
         a = self.acc[self.owners.index(method_index)]
@@ -56,4 +56,5 @@ class ProbeTallies:
                 "drafter_passes_per_step": m.get("drafter_passes_per_step"), "tokens_per_s": m.get("tokens_per_s"),
                 "measured_speedup": speed, "drafter_time_share": m.get("drafter_time_share"),
                 "parity": {"matched": a["total"] - len(a["mismatched"]) - len(a["near_ties"]), "total": a["total"],
-                           "mismatched_ids": list(a["mismatched"]), "near_tie_ids": list(a["near_ties"])}}
+                           "mismatched_ids": list(a["mismatched"]),
+                           **({"near_tie_ids": list(a["near_ties"])} if a["near_ties"] else {})}}
