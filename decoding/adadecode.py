@@ -45,6 +45,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from decoding.margins import top2
 from decoding.sampling import sample, verify_draft, warp
 from decoding.vanilla import check_generate_args
 from decoding.verify import new_cache, prefill
@@ -183,6 +184,10 @@ class AdaDecodeDecoder:
         self.generator = torch.Generator(device=p.device)
         self.generator.manual_seed(int(seed))
         self.last_cache = None
+        # low-precision parity accounting (decoding.margins): per emitted token, the top-2 logits of
+        # the full-model row that chose it (None for the prefill's first token), in ``last_trace``
+        self.trace_logits = False
+        self.last_trace: list | None = None
 
     # -- pieces --------------------------------------------------------------------------------
     def head_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -247,6 +252,7 @@ class AdaDecodeDecoder:
             first = sample(warp(self.lm_head(hidden[-1]), self.temperature), self.generator)
         P = int(prompt_ids.numel())
         out = [first]
+        self._trace = [None] if self.trace_logits and self.temperature == 0 else None
         st = {"layer_steps": 0, "token_layer_computations": 0, "early_exits": 0, "accepted_exits": 0,
               "rejected_exits": 0, "head_evals": 0, "max_inflight_seen": 1}
         for layer in self.exit_layers:
@@ -285,6 +291,7 @@ class AdaDecodeDecoder:
                         st["max_inflight_seen"] = max(st["max_inflight_seen"], len(inflight))
         seconds = time.perf_counter() - t0
         self.last_cache = cache
+        self.last_trace = self._trace
         n = len(out)
         judged = st["accepted_exits"] + st["rejected_exits"]
         st.update({
@@ -347,6 +354,8 @@ class AdaDecodeDecoder:
         last = inflight[-1]
         for i, t in enumerate(inflight):
             f, accepted = self._target(logits[i], t)
+            if self._trace is not None:  # the row that chose the token emitted next (greedy only)
+                self._trace += top2(logits[i])
             if accepted:
                 st["accepted_exits"] += 1
                 st[f"accepted_l{t.draft_layer}"] += 1

@@ -30,6 +30,7 @@ from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
+from decoding.margins import top2
 from decoding.tree import DraftTree
 from decoding.vanilla import check_generate_args, context_limit
 from decoding.verify import prefill, verify_tree
@@ -131,6 +132,10 @@ class SpeculativeDecoder:
         self.base_model = base_model
         self.drafter = drafter
         self.eos_token_ids = [int(e) for e in eos_token_ids]
+        # low-precision parity accounting (decoding.margins): per emitted token, the top-2 logits of
+        # the verification row that chose it, kept in ``last_trace`` after ``generate``
+        self.trace_logits = False
+        self.last_trace: list | None = None
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
@@ -152,6 +157,7 @@ class SpeculativeDecoder:
         layers = getattr(drafter, "feature_layers", None)  # passed only when set: verify_tree/prefill keep their plain signature otherwise
         cache, root, hidden = prefill(self.base_model, prompt_ids, **({"layers": layers} if layers else {}))
         out = [root]
+        trace = [None] if self.trace_logits else None  # the first token: the prefill's, as vanilla's
         td = time.perf_counter()
         if hasattr(drafter, "reset"):
             drafter.reset()
@@ -189,6 +195,9 @@ class SpeculativeDecoder:
                     stop = True
                     break
             stats["emitted_per_step"].append(emitted)
+            if trace is not None:  # emitted token j was the argmax of the row of accepted node j
+                trace += top2(res.logits.index_select(0, torch.tensor(res.accepted_nodes[:emitted],
+                                                                      device=res.logits.device)))
             # count only what was emitted: drafts after an eos were accepted but never output
             depth, acc = tree.max_depth, res.num_accepted
             grow(depth)
@@ -206,6 +215,7 @@ class SpeculativeDecoder:
             root = res.bonus
         stats["seconds"] = time.perf_counter() - t0
         stats["new_tokens"] = len(out)
+        self.last_trace = trace
         return out, stats
 
 

@@ -122,7 +122,7 @@ def _generate(base_model, prompt_ids, max_new_tokens: int, eos_token_ids: Iterab
     eos = set(int(e) for e in eos_token_ids)
     t0 = time.perf_counter()
     cache = new_cache(base_model)
-    logits, _ = base_forward(base_model, prompt_ids, cache)
+    logits, _ = base_forward(base_model, prompt_ids, cache, logits_to_keep=1)  # only the last row is read
     token = pick(logits[-1])
     out = [token]
     forwards = 0
@@ -133,6 +133,27 @@ def _generate(base_model, prompt_ids, max_new_tokens: int, eos_token_ids: Iterab
         out.append(token)
     seconds = time.perf_counter() - t0
     return out, {"new_tokens": len(out), "base_forwards": forwards, "prefill_forwards": 1, "seconds": seconds}
+
+
+@torch.no_grad()
+def replay_step_logits(base_model, prompt_ids: torch.Tensor, tokens, position: int) -> torch.Tensor:
+    """The logits vanilla decoding's step ``position`` computed, recomputed exactly as
+    :func:`_generate` computes them: the same prefill, then one-token forwards of ``tokens[:position]``.
+
+    Args:
+        prompt_ids: LongTensor [T]; tokens: the generated ids (at least ``position`` of them).
+        position: 0 = the prefill's last row (it chose ``tokens[0]``); p = the step after ``tokens[p-1]``.
+
+    Returns:
+        logits [V] in the model's dtype (equal bit for bit to the run's on a deterministic device;
+        its argmax is the token vanilla decoding emitted at ``position``).
+    """
+    prompt_ids = check_generate_args(prompt_ids, 1)
+    cache = new_cache(base_model)
+    logits, _ = base_forward(base_model, prompt_ids, cache, logits_to_keep=1)
+    for t in list(tokens)[:position]:
+        logits, _ = base_forward(base_model, torch.tensor([int(t)]), cache)
+    return logits[-1]
 
 
 class VanillaDecoder:

@@ -38,7 +38,8 @@ def model_device(base_model) -> torch.device:
 
 @torch.no_grad()
 def base_forward(base_model, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 attention_mask: torch.Tensor | None = None, layers=None,
+                 logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One cached base forward of a single sequence.
 
     Args:
@@ -47,14 +48,18 @@ def base_forward(base_model, input_ids: torch.Tensor, cache, position_ids: torch
         position_ids: LongTensor [1, n] or None (consecutive after the cache).
         attention_mask: None (causal) or a ready 4-D additive mask [1, 1, n, P+n].
         layers: optional hidden-state ids (module docstring).
+        logits_to_keep: 0 = logits at every position; k > 0 = at the last k only (transformers'
+            ``logits_to_keep``: a prefill that needs only its last row skips k = T - 1 rows of the
+            [V, H] LM-head product, 49152 x 576 multiply-adds each for SmolLM2).
 
     Returns:
-        ``(logits [n, V], hidden)`` where hidden is the final post-norm hs[-1] [n, H], or
+        ``(logits [n, V] (or [k, V]), hidden)`` where hidden is the final post-norm hs[-1] [n, H], or
         [hs[ℓ] for ℓ in layers] concatenated [n, len(layers)·H]; both in the model's dtype.
     """
     ids = input_ids.reshape(1, -1).to(model_device(base_model))
     out = base_model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                     use_cache=True, output_hidden_states=True)
+                     use_cache=True, output_hidden_states=True,
+                     **({"logits_to_keep": int(logits_to_keep)} if logits_to_keep else {}))
     if layers:
         return out.logits[0], torch.cat([out.hidden_states[int(l)][0] for l in layers], dim=-1)
     return out.logits[0], out.hidden_states[-1][0]
@@ -79,7 +84,7 @@ def prefill(base_model, prompt_ids: torch.Tensor, layers=None):
     if prompt_ids.numel() == 0:
         raise ValueError("empty prompt: need at least one token")
     cache = new_cache(base_model)
-    logits, hidden = base_forward(base_model, prompt_ids, cache, layers=layers)
+    logits, hidden = base_forward(base_model, prompt_ids, cache, layers=layers, logits_to_keep=1)
     return cache, int(logits[-1].argmax()), hidden
 
 
@@ -166,6 +171,25 @@ def greedy_accept(tree: DraftTree, predictions: list[int]) -> list[int]:
         node = nxt
 
 
+def depth_first_order(tree: DraftTree) -> torch.Tensor:
+    """The tree's nodes depth-first, children in canonical (rank) order: LongTensor [N], root first.
+
+    Verification feeds the nodes in this order so that the top-ranked path (root, first child,
+    its first child, ...) occupies consecutive cache slots P, P+1, ...: its rows then attend to one
+    contiguous run of keys followed only by masked ones, exactly the keys (in the same columns) a
+    one-token step attends to, so their attention sums in the same order (in bf16 a branching,
+    breadth-first layout interleaves masked siblings with the path and rounds differently;
+    docs/precision_eval.md).  Any order gives the same mathematics: the mask and positions follow
+    the nodes.
+    """
+    out, stack = [], [0]
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(reversed(tree.children(node)))
+    return torch.tensor(out, dtype=torch.long)
+
+
 @torch.no_grad()
 def verify_tree(base_model, cache, tree: DraftTree, layers=None) -> VerifyResult:
     """Verify ``tree`` with one base forward and keep only the accepted path in ``cache``.
@@ -181,13 +205,21 @@ def verify_tree(base_model, cache, tree: DraftTree, layers=None) -> VerifyResult
     """
     device = model_device(base_model)
     past = cache.get_seq_length()
+    # the forward feeds the nodes depth-first (:func:`depth_first_order`); rows are mapped back to node order
+    order = depth_first_order(tree)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel())
     mask = tree.attention_mask(past, dtype=base_model.dtype, device=device)
-    pos = tree.position_ids(past, device=device)
-    logits, hidden = base_forward(base_model, tree.tokens, cache, position_ids=pos, attention_mask=mask, layers=layers)
+    cols = torch.cat([torch.arange(past), past + order]).to(device)
+    mask = mask[:, :, order.to(device)][..., cols]
+    pos = tree.position_ids(past, device=device)[:, order.to(device)]
+    logits, hidden = base_forward(base_model, tree.tokens[order], cache, position_ids=pos, attention_mask=mask,
+                                  layers=layers)
+    logits, hidden = logits.index_select(0, inv.to(logits.device)), hidden.index_select(0, inv.to(hidden.device))
     preds = logits.argmax(-1).tolist()
     accepted = greedy_accept(tree, preds)
     idx = torch.tensor(accepted, dtype=torch.long)
-    keep_cache_positions(cache, past, idx)
+    keep_cache_positions(cache, past, inv[idx])  # cache slot P + k holds node order[k]
     return VerifyResult(
         accepted_nodes=accepted,
         tokens=tree.tokens[idx],

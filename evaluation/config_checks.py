@@ -27,6 +27,9 @@ def _eval_checks(cfg: DictConfig) -> None:
     check_range(cfg, "eval.reference_depth", 1, None)
     check_range(cfg, "eval.reference_width", 1, None)
     check_choice(cfg, "eval.dtype", DTYPES)
+    fv = cfg.eval.get("fastest_vanilla", "auto")
+    if not (fv in ("auto", "off") or (isinstance(fv, ListConfig) and all(str(v) in DTYPES for v in fv))):
+        raise ConfigError(f"eval.fastest_vanilla={fv!r} must be auto, off or a list of dtypes ({', '.join(DTYPES)})")
     check_device(cfg.eval.get("device"))
     _tree_checks(cfg)
     variants = cfg.eval.get("variants")

@@ -60,6 +60,7 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
         else:
             obj = RandomDrafter(int(base_model.config.vocab_size), depth=depth, width=width, seed=int(cfg.get("seed", 0)))
         info.update(head_type=f"reference:{ckpt}", reference_depth=depth, reference_width=width)
+        info["precision"] = precision_info(base_model, None, None)
     else:
         import heads
 
@@ -81,13 +82,14 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
         if want is not None and meta["head_type"] != want:
             raise ValueError(f"checkpoint {path} holds a {meta['head_type']!r} head but heads.type={want!r}; "
                              f"run with heads={meta['head_type']}")
-        head.to(device).eval()
+        head.to(device=device, dtype=base_model.dtype).eval()  # the drafter computes in the eval dtype too
         head.requires_grad_(False)
         kwargs = {k: v for k, v in to_container(ev).items()}
         kwargs["seed"] = int(cfg.get("seed") or 0)  # sampling decoders (temperature > 0)
         obj = head.make_drafter(base_model, eos_token_ids=list(eos_ids), **kwargs)
         info.update(head_type=meta["head_type"], head_config=meta.get("head"), checkpoint_extra=meta.get("extra", {}),
                     head_parameters=int(sum(p.numel() for p in head.parameters())))
+        info["precision"] = precision_info(base_model, head, meta)
     if isinstance(obj, Decoder):
         info["decoder"] = type(obj).__name__
         return obj, info
@@ -96,6 +98,46 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
         return SpeculativeDecoder(base_model, obj, eos_ids), info
     raise TypeError(f"make_drafter returned {type(obj).__name__}: neither a Decoder (generate) nor a Drafter "
                     "(start/draft/accept); see docs/design.md 'Decoding runtime API'")
+
+
+def row_consistent_products(model, ev) -> list[str]:
+    """``eval.row_consistent`` (default true): on a bf16 / fp16 base on a CPU, the linear layers whose
+    one-row product rounds differently from their many-row product compute a one-token step as
+    two rows, so vanilla's steps equal verification's rows bit for bit
+    (:func:`decoding.numerics.pad_one_row_products`; docs/precision_eval.md).  Applies to ``model``
+    itself (vanilla and every method share it).  Returns the padded layers' names ([] in fp32)."""
+    if not ev.get("row_consistent", True):
+        return []
+    from decoding.numerics import pad_one_row_products
+
+    return pad_one_row_products(model)
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def precision_info(base_model, head=None, meta: dict | None = None) -> dict[str, Any]:
+    """What ran and what the head was made with (issue 26), for ``report.json["info"]["precision"]``.
+
+    Returns:
+        ``{"base": eval dtype of the base, "head": the drafter's parameter dtype (None without a head),
+        "trained_precision": the checkpoint's recorded ``train.precision`` (``extra.precision``) or
+        None, "features": its recorded feature definition (``extra.features``: the data-prep compute /
+        storage dtype) or None, "note": a line when the head is evaluated in another dtype than it
+        was trained or its features were computed in}``.
+    """
+    extra = (meta or {}).get("extra") or {}
+    params = [p for p in head.parameters() if p.is_floating_point()] if head is not None else []
+    out = {"base": _dtype_name(base_model.dtype), "head": _dtype_name(params[0].dtype) if params else None,
+           "trained_precision": extra.get("precision"), "features": extra.get("features"), "note": None}
+    feats = extra.get("features") if isinstance(extra.get("features"), dict) else {}
+    made = {k: v for k, v in (("trained", extra.get("precision")), ("features computed", feats.get("compute_dtype")))
+            if v is not None}
+    if made and head is not None:
+        out["note"] = ("evaluated in " + out["base"] + "; " + ", ".join(f"{k} in {v}" for k, v in made.items())
+                       + " (allowed: training and evaluation precisions may differ)")
+    return out
 
 
 def checkpoint_label(ckpt) -> str:
@@ -113,7 +155,7 @@ _NAME_OK = re.compile(r"[^A-Za-z0-9._=,+-]+")
 SHARED_EVAL_KEYS = frozenset({"variants", "prompts", "prompt_field", "num_prompts", "prompt_offset", "max_new_tokens",
                               "max_prompt_tokens", "dtype", "device", "threads", "plan_threads", "warmup",
                               "output_dir", "fail_on_mismatch", "temperature", "allow_other_base", "turns", "repeats",
-                              "prompts_per_category"})
+                              "prompts_per_category", "row_consistent"})
 
 
 def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:

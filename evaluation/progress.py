@@ -29,7 +29,8 @@ def prompt_digest(input_ids: torch.Tensor) -> str:
 
 # eval keys added after evaluations were first written, each at the value that keeps the behaviour from before
 # it: at that value a key is left out of the progress fingerprint, so those evaluations still resume
-NEUTRAL_EVAL_KEYS: dict[str, Any] = {"tree_fallback": False}
+NEUTRAL_EVAL_KEYS: dict[str, Any] = {"tree_fallback": False,
+                                     "row_consistent": True}  # acts on bf16 / fp16 bases only (issue 26)
 
 
 # eval keys that do not change any prompt's result; shards may differ in these

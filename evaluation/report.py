@@ -21,7 +21,9 @@ def parity_text(report: dict[str, Any]) -> str:
     """``"matched/total"``, or why parity was not checked (sampling)."""
     par = report["parity"]
     if par.get("checked", True):
-        return f"{par['matched']}/{par['total']}"
+        acc = par.get("accounting")  # bf16: exact matches, then how the divergences were accounted for
+        extra = f" exact; {acc['near_ties']} near-tie(s), {acc['real_errors']} real error(s)" if acc else ""
+        return f"{par['matched']}/{par['total']}{extra}"
     return f"not checked ({par['reason']})"
 
 
@@ -112,6 +114,17 @@ def probe_text(probe: dict[str, Any] | None) -> str:
             f"{par.get('matched', '-')}/{par.get('total', '-')}")
 
 
+def fastest_vanilla_line(fv: dict[str, Any] | None, dtype: str | None) -> str:
+    """``speed headline: 0.91x against the fastest vanilla, float32 (41.2 tok/s; bfloat16: 30.1)``, or
+    an empty string when the run timed no other vanilla (:mod:`evaluation.fastest_vanilla`)."""
+    if not fv or len(fv.get("candidates") or {}) < 2:
+        return ""
+    sp = "-" if fv.get("speedup") is None else f"{fv['speedup']:.2f}x"
+    others = "; ".join(f"{k}: {'-' if v is None else f'{v:.1f}'}" for k, v in fv["candidates"].items() if k != fv["label"])
+    tps = "-" if fv.get("tokens_per_s") is None else f"{fv['tokens_per_s']:.1f}"
+    return f"speed headline: {sp} against the fastest vanilla, {fv['label']} ({tps} tok/s; {others})"
+
+
 def format_summary(report: dict[str, Any]) -> str:
     """A few human-readable lines for the console."""
     m, v = report["method"], report["vanilla"]
@@ -122,6 +135,10 @@ def format_summary(report: dict[str, Any]) -> str:
         f"({report['num_prompts']} prompts, max_new_tokens={report['max_new_tokens']}, {report['device']}, {report['dtype']})",
         f"parity: {parity_text(report)}",
     ]
+    from evaluation.divergence import accounting_line
+
+    if accounting_line(report):
+        lines.append(accounting_line(report))
     ds = m.get("decoder_summary") or {}
     if report.get("tau") is not None or not ds:
         lines += [
@@ -137,6 +154,7 @@ def format_summary(report: dict[str, Any]) -> str:
         f"base forwards/token: vanilla {fmt(v['base_forwards_per_token'])}, method {fmt(m.get('base_forwards_per_token'))}",
         f"tokens/s: vanilla {fmt(v['tokens_per_s'], '{:.1f}')}, method {fmt(m.get('tokens_per_s'), '{:.1f}')}  "
         f"speedup {fmt(report.get('speedup'), '{:.2f}')}x  (drafter time share {fmt(m.get('drafter_time_share'), '{:.2f}')})",
+        *[x for x in [fastest_vanilla_line(report.get("fastest_vanilla"), report.get("dtype"))] if x],
         tree_line(report.get("tree")),
         *[f"WARNING: {w}" for w in (report.get("tree") or {}).get("warnings") or []],
         phases_line(report.get("phases")),

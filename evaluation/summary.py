@@ -46,7 +46,8 @@ def summary_row(name: str | None, report: dict[str, Any]) -> dict[str, Any]:
             "stopped_at": report.get("stopped_at"), "pending_prompts": len(report.get("pending_prompts") or []),
             "skipped": [{"ids": s.get("ids") or [s["id"]], "reason": s.get("reason")}
                         for s in report.get("skipped_prompts") or []],
-            "phases": report.get("phases")}
+            "phases": report.get("phases"), "dtype": report.get("dtype"),
+            "fastest_vanilla": report.get("fastest_vanilla")}
 
 
 def tree_summary(tree: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -64,6 +65,25 @@ def tree_summary(tree: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def _f(x, fmt="{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
+
+
+def fastest_vanilla_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The section "Against the fastest vanilla" (rows whose report timed other vanillas,
+    :mod:`evaluation.fastest_vanilla`): every vanilla's tokens/s and the method against the fastest."""
+    rows = [r for r in rows if len((r.get("fastest_vanilla") or {}).get("candidates") or {}) > 1]
+    if not rows:
+        return []
+    out = ["", "## Against the fastest vanilla", "",
+           "Every vanilla timed in this run on the same prompts, interleaved; the headline speedup is the method "
+           "against the fastest of them.", "",
+           "| method | eval dtype | vanilla tokens/s | fastest vanilla | method tokens/s | speedup vs fastest |",
+           "|---|---|---|---|---:|---:|"]
+    for r in rows:
+        fv = r["fastest_vanilla"]
+        cands = ", ".join(f"{k}: {_f(v, '{:.2f}')}" for k, v in fv["candidates"].items())
+        out.append(f"| {r.get('variant') or r.get('head_type') or '-'} | {r.get('dtype') or '-'} | {cands} | "
+                   f"{fv['label']} | {_f(r.get('tokens_per_s'), '{:.2f}')} | {_f(fv.get('speedup'))} |")
+    return out
 
 
 def speedup_text(row: dict[str, Any]) -> str:
@@ -124,6 +144,7 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
                      + f" | {_f(r.get('base_forwards_per_token'), '{:.3f}')} | {trees}{_f(r.get('drafter_time_share'))} | "
                        f"{speedup_text(r)} | " + ("" if timed else f"{tree_text(tree)} | ") + f"{parity} |")
     lines += status_lines(rows)
+    lines += fastest_vanilla_lines(rows)
     exits = [r for r in rows if (r.get("decoder_summary") or {}).get("early_exit_rate") is not None]
     if exits:  # layer-skipping heads (AdaDecode) have no τ: their early exits, as decoded in the τ runs
         lines += ["", "## Early exits (τ runs)", "",
