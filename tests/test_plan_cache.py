@@ -145,4 +145,8 @@ def test_interrupted_calibration_resumes_with_the_prompts_not_yet_calibrated(tin
     a = json.loads(open(resumed["statistics"]["path"]).read())["stats"]
     b = json.loads(open(whole["statistics"]["path"]).read())["stats"]
     assert strip(a) == strip(b) and a["steps"] > 0
-    assert resumed["chosen"]["nodes"] == whole["chosen"]["nodes"]
+    # what the plan derives from the statistics alone is equal too; the chosen tree is not compared: it also
+    # weighs c(n) and the drafter's cost, timings that the two roots measure separately (on a loaded
+    # machine an untrained head's equal-tau trees can swap)
+    for key in ("rank_acceptance", "budget_tau", "steps", "held_out_prompts"):
+        assert resumed["statistics"][key] == whole["statistics"][key], key
