@@ -53,7 +53,7 @@ done
 # gets the same labels= so training and evaluation find the cache data prep wrote.
 DEMO=(labels=teacher_forced)
 START=$(date +%s)
-echo "demo: data prep -> train the CTC head (150 steps) -> lossless evaluation; expected about ${DEMO_MINUTES:-12} minutes" \
+echo "demo: data prep -> train the CTC head (150 steps) -> lossless evaluation; expected about ${DEMO_MINUTES:-10} minutes" \
   "on 2 CPU cores, plus set-up and the base model's one-time conversion (docs/demo.md)"
 "$PY" -m data_prep "${DEMO[@]}" "$@"
 "$PY" -m train heads=ctc train.run_name="$RUN" resume=auto \
