@@ -1,0 +1,100 @@
+"""A trained head packed for distribution: ``python -m heads.ship CKPT OUT [--dtype bfloat16] [--run RUN_DIR]``.
+
+Copies a checkpoint directory (``model.safetensors`` + ``config.json``, :func:`heads.registry.save`)
+to ``OUT`` with every floating-point weight cast to ``--dtype`` (default bfloat16: half the bytes of
+the fp32 checkpoint); integer tensors (the draft vocabulary ``d2t``) are copied unchanged.
+``config.json`` gains ``extra.stored_dtype`` and ``extra.shipped_from`` (the source directory and
+the SHA-256 of its ``model.safetensors``).  With ``--run``, the run's training record
+(``record.json``: cache identity, tokens seen, every validation's τ; ``val_curve.png``) and its
+resolved ``config.yaml`` are copied next to the weights, so the head documents its own training.
+
+The result loads like any checkpoint (``checkpoint=OUT``; :func:`heads.registry.load` casts the
+weights into the head's fp32 parameters).  Verification always runs the full base, so a head
+stored in bf16 stays lossless; only its drafts (hence τ) can move, by the bf16 rounding of its
+weights.  Writes are atomic; nothing is written when a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from core.finite import check_finite
+from core.io import atomic_save_safetensors, atomic_write_bytes, atomic_write_json, sha256_file
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+RUN_FILES = ("record.json", "val_curve.png", "config.yaml")
+
+
+def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_dir: str | Path | None = None) -> Path:
+    """Write ``out`` = ``checkpoint`` with floating weights in ``dtype`` (module docstring).
+
+    Args:
+        checkpoint: a head directory with ``model.safetensors`` and ``config.json``.
+        out: the destination directory (created; files replaced atomically).
+        dtype: ``bfloat16`` | ``float16`` | ``float32``.
+        run_dir: optional run directory whose ``record.json``, ``val_curve.png`` and ``config.yaml``
+            are copied along (those present).
+
+    Returns:
+        ``out`` as a Path.
+
+    Raises:
+        FileNotFoundError: a checkpoint file or ``run_dir`` is missing.  ValueError: unknown dtype,
+        or ``out`` is ``checkpoint`` itself.  core.finite.NonFiniteError: a weight is NaN/±inf
+        before or after the cast (fp16 overflow; the tensor is named).
+    """
+    from safetensors import safe_open
+
+    src, out = Path(checkpoint), Path(out)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    for name in ("model.safetensors", "config.json"):
+        if not (src / name).is_file():
+            raise FileNotFoundError(f"checkpoint {src} has no {name}")
+    if out.resolve() == src.resolve():
+        raise ValueError(f"{out}: the destination is the checkpoint itself")
+    if run_dir is not None and not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"--run {run_dir}: not a directory")
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        metadata = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    check_finite(tensors, f"checkpoint {src / 'model.safetensors'}")
+    cast = {k: v.to(DTYPES[dtype]).contiguous() if v.is_floating_point() else v for k, v in tensors.items()}
+    check_finite(cast, f"{src / 'model.safetensors'} cast to {dtype}")
+    meta = json.loads((src / "config.json").read_text())
+    meta.setdefault("extra", {})
+    meta["extra"]["stored_dtype"] = dtype
+    meta["extra"]["shipped_from"] = {"checkpoint": str(src.resolve()), "sha256": sha256_file(src / "model.safetensors")}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_save_safetensors(cast, out / "model.safetensors", metadata={**metadata, "stored_dtype": dtype})
+    atomic_write_json(out / "config.json", meta)
+    for name in RUN_FILES if run_dir is not None else ():
+        path = Path(run_dir) / name
+        if path.is_file():
+            atomic_write_bytes(out / name, path.read_bytes())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m heads.ship", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="a head directory (best/ or last/ of a run)")
+    p.add_argument("out", help="destination directory")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--run", default=None, help="the run directory: copy its record.json, val_curve.png, config.yaml")
+    a = p.parse_args(argv)
+    try:
+        out = ship(a.checkpoint, a.out, a.dtype, a.run)
+    except (FileNotFoundError, ValueError) as exc:  # NonFiniteError is a ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    size = (out / "model.safetensors").stat().st_size
+    print(f"shipped {a.checkpoint} -> {out} ({a.dtype}, {size / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

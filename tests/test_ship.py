@@ -1,0 +1,71 @@
+"""heads.ship (issue 27: the head of record ships as bf16 safetensors): floating weights cast to
+bf16, d2t unchanged, the run record copied, the shipped head loads and drafts what the fp32 head
+drafts up to bf16 rounding, and bad input writes nothing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import heads
+from core.config import compose
+from heads.ship import main, ship
+
+
+@pytest.fixture
+def checkpoint(tiny_base, tiny_model_dir, tmp_path):
+    cfg = compose([f"model.path={tiny_model_dir}", "heads=falcon_k1", "heads.draft_vocab_size=64"])
+    torch.manual_seed(0)
+    counts = torch.randint(0, 1000, (tiny_base[0].config.vocab_size,), generator=torch.Generator().manual_seed(1))
+    head = heads.build(cfg.heads, tiny_base[0], label_counts=counts, counts_source="test")
+    ckpt = heads.save(head, tmp_path / "best", tiny_base[2].to_dict(), {"step": 7})
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "record.json").write_text(json.dumps({"validations": [{"step": 7, "metrics": {"sim_tau": 1.5}}]}))
+    return head, ckpt, run
+
+
+def test_ship_casts_weights_keeps_d2t_and_loads(checkpoint, tiny_base, tmp_path):
+    head, ckpt, run = checkpoint
+    out = ship(ckpt, tmp_path / "shipped", "bfloat16", run)
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f32, safe_open(str(out / "model.safetensors"), "pt") as b16:
+        assert set(f32.keys()) == set(b16.keys())
+        for k in f32.keys():
+            a, b = f32.get_tensor(k), b16.get_tensor(k)
+            if a.is_floating_point():
+                assert a.dtype == torch.float32 and b.dtype == torch.bfloat16
+                assert torch.equal(b, a.to(torch.bfloat16))
+            else:  # d2t and other index tensors are copied bit for bit
+                assert b.dtype == a.dtype and torch.equal(a, b)
+    assert any(not t.is_floating_point() for t in [safe_open(str(out / "model.safetensors"), "pt").get_tensor(k)
+                                                  for k in safe_open(str(out / "model.safetensors"), "pt").keys()])
+    assert (out / "model.safetensors").stat().st_size < 0.6 * (ckpt / "model.safetensors").stat().st_size
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["extra"]["stored_dtype"] == "bfloat16" and meta["extra"]["step"] == 7
+    assert len(meta["extra"]["shipped_from"]["sha256"]) == 64
+    assert json.loads((out / "record.json").read_text())["validations"][0]["metrics"]["sim_tau"] == 1.5
+    loaded, _ = heads.load(out, base_model=tiny_base[0])
+    ref = {k: v.to(torch.bfloat16).float() for k, v in head.trainable_state_dict().items() if v.is_floating_point()}
+    for k, v in loaded.trainable_state_dict().items():
+        if v.is_floating_point():
+            assert v.dtype == torch.float32 and torch.equal(v, ref[k]), k
+
+
+def test_ship_refuses_bad_input_and_writes_nothing(checkpoint, tmp_path, capsys):
+    _, ckpt, run = checkpoint
+    assert main([str(tmp_path / "nope"), str(tmp_path / "o1")]) == 2
+    assert "has no model.safetensors" in capsys.readouterr().err and not (tmp_path / "o1").exists()
+    assert main([str(ckpt), str(ckpt)]) == 2 and "the checkpoint itself" in capsys.readouterr().err
+    assert main([str(ckpt), str(tmp_path / "o2"), "--run", str(tmp_path / "norun")]) == 2
+    assert not (tmp_path / "o2").exists()
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(ckpt / "model.safetensors")
+    name = next(k for k, v in state.items() if v.is_floating_point())
+    state[name] = state[name].clone()
+    state[name].view(-1)[0] = 1e6  # finite in fp32, +inf in fp16
+    save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "draftheads"})
+    assert main([str(ckpt), str(tmp_path / "o3"), "--dtype", "float16"]) == 2
+    assert name in capsys.readouterr().err and not (tmp_path / "o3").exists()
