@@ -9,8 +9,13 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Idle OpenMP threads sleep instead of spinning: the multi-process tests (DDP, ZeRO, shards, Slurm) run
+# more threads than a 2-core machine has, and spinning waiters steal the cores the working threads
+# need.  Set before torch loads its OpenMP runtime; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
