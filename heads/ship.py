@@ -5,8 +5,9 @@ to ``OUT`` with every floating-point weight cast to ``--dtype`` (default bfloat1
 the fp32 checkpoint); integer tensors (the draft vocabulary ``d2t``) are copied unchanged.
 ``config.json`` gains ``extra.stored_dtype`` and ``extra.shipped_from`` (the source directory and
 the SHA-256 of its ``model.safetensors``).  With ``--run``, the run's training record
-(``record.json``: cache identity, tokens seen, every validation's τ; ``val_curve.png``) and its
-resolved ``config.yaml`` are copied next to the weights, so the head documents its own training.
+(``record.json``: tokens seen, every validation's τ; ``val_curve.png``) and its resolved
+``config.yaml`` are copied next to the weights; with ``--cache``, the cache's identity (each split's
+manifest SHA-256, conversations, tokens) goes into ``config.json``: the head documents its own training.
 
 The result loads like any checkpoint (``checkpoint=OUT``; :func:`heads.registry.load` casts the
 weights into the head's fp32 parameters).  Verification always runs the full base, so a head
@@ -29,7 +30,27 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 RUN_FILES = ("record.json", "val_curve.png", "config.yaml")
 
 
-def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_dir: str | Path | None = None) -> Path:
+def cache_identity(cache_dir: str | Path) -> dict:
+    """The identity of the cache a head trained on: per split, the SHA-256 of ``manifest.json`` (what
+    resume checks, :func:`train.resume.data_identity`) with its conversation and token counts.
+
+    Raises:
+        FileNotFoundError: ``cache_dir/<split>/manifest.json`` is missing for both splits.
+    """
+    out: dict = {"cache_dir": str(Path(cache_dir).resolve()), "splits": {}}
+    for split in ("train", "val"):
+        path = Path(cache_dir) / split / "manifest.json"
+        if path.is_file():
+            m = json.loads(path.read_text())
+            out["splits"][split] = {"manifest_sha256": sha256_file(path), "config_hash": m.get("config_hash"),
+                                    "records": m.get("num_records"), "tokens": m.get("num_tokens")}
+    if not out["splits"]:
+        raise FileNotFoundError(f"--cache {cache_dir}: no train/ or val/ manifest.json")
+    return out
+
+
+def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_dir: str | Path | None = None,
+         cache_dir: str | Path | None = None) -> Path:
     """Write ``out`` = ``checkpoint`` with floating weights in ``dtype`` (module docstring).
 
     Args:
@@ -38,6 +59,8 @@ def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_d
         dtype: ``bfloat16`` | ``float16`` | ``float32``.
         run_dir: optional run directory whose ``record.json``, ``val_curve.png`` and ``config.yaml``
             are copied along (those present).
+        cache_dir: optional cache the head trained on: its identity (:func:`cache_identity`) goes
+            into ``config.json`` as ``extra.cache``.
 
     Returns:
         ``out`` as a Path.
@@ -68,6 +91,8 @@ def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_d
     meta = json.loads((src / "config.json").read_text())
     meta.setdefault("extra", {})
     meta["extra"]["stored_dtype"] = dtype
+    if cache_dir is not None:
+        meta["extra"]["cache"] = cache_identity(cache_dir)
     meta["extra"]["shipped_from"] = {"checkpoint": str(src.resolve()), "sha256": sha256_file(src / "model.safetensors")}
     out.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(cast, out / "model.safetensors", metadata={**metadata, "stored_dtype": dtype})
@@ -85,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="destination directory")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--run", default=None, help="the run directory: copy its record.json, val_curve.png, config.yaml")
+    p.add_argument("--cache", default=None, help="the cache the head trained on: record its identity")
     a = p.parse_args(argv)
     try:
-        out = ship(a.checkpoint, a.out, a.dtype, a.run)
+        out = ship(a.checkpoint, a.out, a.dtype, a.run, a.cache)
     except (FileNotFoundError, ValueError) as exc:  # NonFiniteError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2

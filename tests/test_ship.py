@@ -29,7 +29,10 @@ def checkpoint(tiny_base, tiny_model_dir, tmp_path):
 
 def test_ship_casts_weights_keeps_d2t_and_loads(checkpoint, tiny_base, tmp_path):
     head, ckpt, run = checkpoint
-    out = ship(ckpt, tmp_path / "shipped", "bfloat16", run)
+    cache = tmp_path / "cache"
+    (cache / "train").mkdir(parents=True)
+    (cache / "train" / "manifest.json").write_text(json.dumps({"config_hash": "abc", "num_records": 3, "num_tokens": 99}))
+    out = ship(ckpt, tmp_path / "shipped", "bfloat16", run, cache)
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f32, safe_open(str(out / "model.safetensors"), "pt") as b16:
         assert set(f32.keys()) == set(b16.keys())
         for k in f32.keys():
@@ -45,6 +48,9 @@ def test_ship_casts_weights_keeps_d2t_and_loads(checkpoint, tiny_base, tmp_path)
     meta = json.loads((out / "config.json").read_text())
     assert meta["extra"]["stored_dtype"] == "bfloat16" and meta["extra"]["step"] == 7
     assert len(meta["extra"]["shipped_from"]["sha256"]) == 64
+    train = meta["extra"]["cache"]["splits"]["train"]
+    assert train["records"] == 3 and train["tokens"] == 99 and train["config_hash"] == "abc"
+    assert len(train["manifest_sha256"]) == 64 and "val" not in meta["extra"]["cache"]["splits"]
     assert json.loads((out / "record.json").read_text())["validations"][0]["metrics"]["sim_tau"] == 1.5
     loaded, _ = heads.load(out, base_model=tiny_base[0])
     ref = {k: v.to(torch.bfloat16).float() for k, v in head.trainable_state_dict().items() if v.is_floating_point()}
