@@ -193,6 +193,8 @@ def test_checker_reports_each_planted_break_and_nothing_else(tmp_path):
 def test_checker_fails_on_a_link_planted_in_the_real_docs(tmp_path):
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    # the docs also point at the shipped head's curve, outside docs/
+    shutil.copytree(ROOT / "heads_of_record", tmp_path / "heads_of_record", ignore=shutil.ignore_patterns("*.safetensors"))
     assert [e for f in _doc_files(tmp_path) for e in check_links(f, tmp_path)] == []
     page = tmp_path / "docs" / "heads.md"
     page.write_text(page.read_text(encoding="utf-8") + "\nSee [the trees](trees.md#no-such-heading) and [x](nope.md).\n",
