@@ -187,20 +187,7 @@ def resolve_dtype(value: Any, key: str, device: str | torch.device = "cpu", chec
         raise ConfigError(f"{key}={value!r} is not valid; choices: {', '.join(MODEL_DTYPES)}")
     if value not in ("auto", "bfloat16"):
         return value
-    s = bf16_support(device)
-    if value == "auto":
-        out = "bfloat16" if s.native else "float32"
-        if check:
-            note(f"{key}=auto -> {out} on {s.device} ({s.reason})")
-        return out
-    if not check:
-        return value
-    if s.level == "none":
-        raise ConfigError(f"{key}=bfloat16 on {s.device}: {s.reason}; use {key}=auto or float32")
-    if s.level == "slow":
-        note(f"warning: {key}=bfloat16 on {s.device} runs, but is not expected to be faster than float32 ({s.reason}); "
-             f"{key}=auto picks float32 here")
-    return value
+    return _resolve_bf16_choice(key, value, device, "bfloat16", "float32", check)
 
 
 def resolve_train_precision(value: Any, accelerator: str, check: bool = True) -> str:
@@ -220,19 +207,31 @@ def resolve_train_precision(value: Any, accelerator: str, check: bool = True) ->
     device = "cuda" if accelerator in ("gpu", "cuda") else "cpu"
     if value != "auto" and value not in BF16_PRECISIONS:
         return value
+    return _resolve_bf16_choice("train.precision", value, device, "bf16-mixed", "32-true", check)
+
+
+def _resolve_bf16_choice(key: str, value: str, device: str, native: str, fallback: str, check: bool) -> str:
+    """The rule both precision keys share: ``auto`` -> ``native`` where bf16 is native on ``device``,
+    else ``fallback``, with one line saying which and why; an explicit bf16 ``value`` is refused
+    where there are no bf16 instructions and runs with one warning where they are slow.
+    ``check=False``: no line, no refusal.
+
+    Raises:
+        core.config.ConfigError: bf16 asked for where there are no bf16 instructions (names ``key``).
+    """
     s = bf16_support(device)
     if value == "auto":
-        out = "bf16-mixed" if s.native else "32-true"
+        out = native if s.native else fallback
         if check:
-            note(f"train.precision=auto -> {out} on {s.device} ({s.reason})")
+            note(f"{key}=auto -> {out} on {s.device} ({s.reason})")
         return out
     if not check:
         return value
     if s.level == "none":
-        raise ConfigError(f"train.precision={value} on {s.device}: {s.reason}; use train.precision=auto or 32-true")
+        raise ConfigError(f"{key}={value} on {s.device}: {s.reason}; use {key}=auto or {fallback}")
     if s.level == "slow":
-        note(f"warning: train.precision={value} on {s.device} runs, but is not expected to be faster than 32-true "
-             f"({s.reason}); train.precision=auto picks 32-true here")
+        note(f"warning: {key}={value} on {s.device} runs, but is not expected to be faster than {fallback} "
+             f"({s.reason}); {key}=auto picks {fallback} here")
     return value
 
 

@@ -52,3 +52,16 @@ def tiny_base(tiny_model_dir):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def sharegpt(tmp_path):
+    """A ShareGPT JSON file of 60 one-turn conversations (``c0`` .. ``c59``): held-out prompts for
+    calibration and evaluation tests (``data.path=``)."""
+    import json
+
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Tell me about topic number {i}."},
+                                               {"from": "gpt", "value": "Sure."}]} for i in range(60)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    return path

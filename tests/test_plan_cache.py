@@ -10,7 +10,6 @@ import logging
 import pytest
 import torch
 
-import heads
 from core.config import compose
 from decoding import cost_model
 from decoding.tree_search import AcceptanceStats
@@ -20,15 +19,7 @@ from evaluation.methods import build_decoder
 from evaluation.prompts import load_prompts
 from evaluation.runner import run_evaluation
 from evaluation.tree_auto import plan_tree, prediction_warnings
-
-
-@pytest.fixture
-def sharegpt(tmp_path):
-    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Tell me about topic number {i}."},
-                                               {"from": "gpt", "value": "Sure."}]} for i in range(60)]
-    path = tmp_path / "sharegpt.json"
-    path.write_text(json.dumps(convs))
-    return path
+from tests.test_tree_auto import _save_head
 
 
 def _cfg(tiny_model_dir, tmp_path, sharegpt, *extra, head="ctc", root="root"):
@@ -38,11 +29,6 @@ def _cfg(tiny_model_dir, tmp_path, sharegpt, *extra, head="ctc", root="root"):
                                  "eval.max_new_tokens=8", "eval.warmup=0", "eval.calibration_prompts=4",
                                  "eval.tree_grid=[1,2,4]", "eval.cost_context_tokens=8",
                                  f"checkpoint={tmp_path / 'ckpt'}", *extra]))
-
-
-def _save_head(cfg, tiny_base, tmp_path):
-    torch.manual_seed(0)
-    heads.save(heads.build(cfg.heads, tiny_base[0]), tmp_path / "ckpt", tiny_base[2].to_dict())
 
 
 def test_cost_model_reuse_names_file_age_and_load(tiny_base, tmp_path, caplog):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 import heads
@@ -15,15 +14,6 @@ from evaluation.__main__ import rewrite_argv
 from evaluation.plots import make_figure, no_acceptance_text
 from evaluation.report import format_summary
 from evaluation.runner import run_evaluation
-
-
-@pytest.fixture
-def sharegpt(tmp_path):
-    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Tell me about topic number {i}."},
-                                               {"from": "gpt", "value": "Sure."}]} for i in range(60)]
-    path = tmp_path / "sharegpt.json"
-    path.write_text(json.dumps(convs))
-    return path
 
 
 def _run(tiny_base, tiny_model_dir, tmp_path, sharegpt, head, *extra):

@@ -16,15 +16,6 @@ from evaluation.runner import run_evaluation
 from evaluation.tree_auto import CalibrationError
 
 
-@pytest.fixture
-def sharegpt(tmp_path):
-    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Tell me about topic number {i}."},
-                                               {"from": "gpt", "value": "Sure."}]} for i in range(60)]
-    path = tmp_path / "sharegpt.json"
-    path.write_text(json.dumps(convs))
-    return path
-
-
 def _cfg(tiny_model_dir, tmp_path, sharegpt, head, *extra):
     return compose(rewrite_argv([f"model.path={tiny_model_dir}", "model.attn_implementation=eager", f"heads={head}",
                                  f"output_root={tmp_path / 'root'}", f"eval.output_dir={tmp_path / 'out'}",
