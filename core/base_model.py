@@ -16,6 +16,7 @@ bf16 where the CPU's bf16 is native, else fp32, :func:`core.precision.resolve_dt
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
@@ -60,17 +61,28 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Convert a GGUF file once into a safetensors HF folder; return the folder.
 
     The folder is ``cache_dir/models/<stem>-<sha256[:16]>``.  It is written into a temporary
-    sibling and renamed, so a killed conversion never leaves a partial folder.  transformers'
-    GGUF loader returns a model whose config carries a ``quantization_config`` that
-    ``save_pretrained`` refuses, so the model is rebuilt from a clean config and the
-    dequantised state dict is loaded into it.
+    sibling and renamed, so a killed conversion never leaves a partial folder, and it is made under
+    an exclusive lock on ``<folder>.lock``, so processes converting the same file at once (ranks,
+    Slurm tasks, parallel test workers) convert it once and never replace a folder another one is
+    reading.  transformers' GGUF loader returns a model whose config carries a
+    ``quantization_config`` that ``save_pretrained`` refuses, so the model is rebuilt from a clean
+    config and the dequantised state dict is loaded into it.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     digest = sha256_file(gguf)
     target = cache_dir / "models" / f"{gguf.stem}-{digest[:16]}"
     if (target / "source.json").exists():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if not (target / "source.json").exists():  # another process may have converted it meanwhile
+            _convert_into(gguf, digest, target)
+    return target
+
+
+def _convert_into(gguf: Path, digest: str, target: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     log.info("converting %s to a safetensors folder at %s (once)", gguf, target)
     folder, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -84,7 +96,6 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     missing = [k for k in missing if not k.endswith("lm_head.weight") or not config.tie_word_embeddings]
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion of {gguf}: missing {missing}, unexpected {unexpected}")
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_tmp_dir(prefix=f".{target.name}.", parent=target.parent)
     try:
         clean.save_pretrained(tmp, safe_serialization=True)
@@ -96,7 +107,6 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return target
 
 
 @dataclass(frozen=True)

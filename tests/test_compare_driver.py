@@ -194,10 +194,12 @@ def test_compare_driver_two_caches_and_a_token_budget(tiny_setup, capsys):
 def test_record_config_dry_run(tmp_path, capsys):
     """configs/record.yaml (issue 27) loads and plans two caches, one epoch per head, one head at a
     time, log-spaced validation and every head evaluated on all 80 questions (a stand-in prompts file:
-    the record's MT-bench path is relative to the repository's parent)."""
+    the record's MT-bench path is relative to the repository's parent).  The output directory is a fresh
+    one: the record's own (outputs/record) holds whatever stages this checkout already ran."""
     mt = tmp_path / "mt.jsonl"
     mt.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Hi.", "More."]}) + "\n")
-    assert compare.main(["--config", str(ROOT / "configs" / "record.yaml"), "--dry-run", f"eval.prompts={mt}"]) == 0
+    assert compare.main(["--config", str(ROOT / "configs" / "record.yaml"), "--dry-run", f"eval.prompts={mt}",
+                         f"output_dir={tmp_path / 'record'}"]) == 0
     lines = capsys.readouterr().out.splitlines()
     ran = [ln.split()[2] for ln in lines if ln.startswith("[run ]")]
     assert ran[:2] == ["prep-teacher_forced", "prep-regenerated"]

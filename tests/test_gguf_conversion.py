@@ -1,0 +1,40 @@
+"""Converting the packaged GGUF once, also when several processes ask for it at the same moment.
+
+Ranks, Slurm tasks and parallel test workers all call ``core.base_model.convert_gguf`` on a fresh
+machine; without a lock each one converted the file and the last ``os.replace`` could delete the
+folder another process was already loading from.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import core.base_model as base_model
+
+
+def test_concurrent_conversions_of_one_gguf_convert_it_once(tmp_path, monkeypatch):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF stand-in: only its bytes are hashed before the conversion")
+    calls, inside, overlap = [], [0], []
+
+    def fake_convert(src, digest, target):  # the real one takes 15-40 s on the packaged model
+        inside[0] += 1
+        overlap.append(inside[0])
+        calls.append(target)
+        time.sleep(0.3)  # long enough for every other thread to reach the lock
+        target.mkdir()
+        (target / "source.json").write_text("{}")
+        inside[0] -= 1
+
+    monkeypatch.setattr(base_model, "_convert_into", fake_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(base_model.convert_gguf(gguf, tmp_path / "cache")))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1, calls  # converted once, by whichever caller took the lock first
+    assert max(overlap) == 1
+    assert len(results) == 4 and len(set(results)) == 1 and (results[0] / "source.json").exists()
+    assert base_model.convert_gguf(gguf, tmp_path / "cache") == results[0] and len(calls) == 1
