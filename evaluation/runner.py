@@ -18,6 +18,7 @@ interrupted run resumes.  Outputs in the run directory: ``config.yaml`` (resolve
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -108,6 +109,23 @@ def _decode_prompt(p, reference, decoders, max_new: int, device, repeats: int = 
     return rec
 
 
+def wait_policy_warning(device, threads: int, policy: str | None) -> str | None:
+    """The line to print when the timing would run with OpenMP's idle threads asleep, else None.
+
+    ``OMP_WAIT_POLICY=PASSIVE`` (common advice for multi-process jobs) puts idle OpenMP threads to
+    sleep between parallel regions; a one-token decoding step is hundreds of small ones, and waking
+    the threads each time made it 2.8x slower on a 2-core machine of this project's kind (fp32,
+    2 threads: 148 ms against 55 ms, ``benchmarks/bench_vanilla_step.py``; docs/precision.md).
+    Both vanilla and speculative decoding pay it, but not equally, so a speedup measured under it
+    is not the one a user gets.
+    """
+    if torch.device(device).type != "cpu" or threads < 2 or (policy or "").strip().upper() != "PASSIVE":
+        return None
+    return (f"OMP_WAIT_POLICY=PASSIVE with {threads} threads: decoding steps run much slower (2.8x measured on "
+            "2 cores, docs/precision.md), so tokens/s and speedups from this run are not speed figures; "
+            "unset it (or set eval.threads=1) for timing")
+
+
 def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     """Run the evaluation described by ``cfg`` and write the outputs (:func:`_evaluate`).
 
@@ -170,6 +188,8 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     if ev.get("threads"):
         torch.set_num_threads(int(ev.threads))
     device = resolve_device(ev.get("device"))
+    if (warning := wait_policy_warning(device, torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY"))):
+        log.warning(warning)
     variants = variant_configs(cfg)
     if decoder is not None and variants[0][0] is not None:
         raise ValueError("run_evaluation(decoder=...) takes no eval.variants")

@@ -392,3 +392,15 @@ def test_bad_fastest_vanilla_is_refused_before_anything_is_written(tiny_model_di
               "checkpoint=oracle", "eval.fastest_vanilla=fp64"])
     assert exc.value.code == 2 and "eval.fastest_vanilla" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "root").exists()
+
+
+def test_sleeping_openmp_threads_are_named_before_timing():
+    """OMP_WAIT_POLICY=PASSIVE made a 2-thread one-token step 2.8x slower here: a timing run under it
+    says so; one thread, another policy or a GPU do not."""
+    from evaluation.runner import wait_policy_warning
+
+    msg = wait_policy_warning("cpu", 2, "passive")
+    assert msg and "OMP_WAIT_POLICY=PASSIVE with 2 threads" in msg and "not speed figures" in msg
+    assert wait_policy_warning("cpu", 1, "PASSIVE") is None
+    assert wait_policy_warning("cpu", 2, "ACTIVE") is None and wait_policy_warning("cpu", 2, None) is None
+    assert wait_policy_warning("cuda", 8, "PASSIVE") is None
