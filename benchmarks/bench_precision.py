@@ -23,10 +23,10 @@ machine's load falls on both alike:
    around the forward, as Lightning's ``bf16-mixed`` does), steps interleaved; tokens/s, ratio,
    share of the limit (FLOPs of one step from ``torch.utils.flop_counter``), and the validation
    loss of both after the same steps (fp32 evaluation) beside a second fp32 run with another seed
-   (the noise).
+   (the noise); with ``--val-steps`` as a curve, after steps 1, 2, 4, ... and the last.
 
     python benchmarks/bench_precision.py                           # modest size (minutes)
-    python benchmarks/bench_precision.py --conversations 64 --max-length 512 --train-steps 40 --val-steps 200
+    python benchmarks/bench_precision.py --conversations 64 --max-length 512 --train-steps 40 --val-steps 200  # + val-loss curves
     python benchmarks/bench_precision.py --skip-train --attn eager,sdpa   # data prep only, both attentions
 
 Writes the JSON report to ``--out`` (default: print only) and prints a Markdown summary.
@@ -211,6 +211,9 @@ def bench_train(name: str, model, train_batches, val_batches, counts, args, limi
     timed = {k: [0.0, 0] for k in ("float32", "bf16-mixed")}
     total = max(args.train_steps, args.val_steps)
     losses = {k: [] for k in runs}
+    # the validation-loss curve: after steps 1, 2, 4, ... and the last one (log-spaced, like train.val_schedule=log)
+    val_at = {2 ** k for k in range(total.bit_length()) if 2 ** k <= total} | {total} if args.val_steps else set()
+    curve = []
     for step in range(total):  # interleaved: step s of every run before step s + 1 of any
         for k, head in runs.items():
             batch = train_batches[(step if k != "float32-seed1" else 7 * step + 3) % len(train_batches)]
@@ -226,25 +229,36 @@ def bench_train(name: str, model, train_batches, val_batches, counts, args, limi
             if k in timed and args.train_warmup <= step < args.train_steps:
                 timed[k][0] += seconds
                 timed[k][1] += int(batch["attention_mask"].sum())
+        if step + 1 in val_at:
+            curve.append({"steps": step + 1, **{k: _val_loss(head, val_batches) for k, head in runs.items()}})
     tps = {k: n / s for k, (s, n) in timed.items() if s > 0}
     out = {"draft_vocab_size": runs["float32"].draft_vocab_size, "tokens_per_s": tps,
            "ratio": tps["bf16-mixed"] / tps["float32"], "flops_per_token": flops,
            "share_of_bf16_limit": {k: flops * v / (limit_gflops * 1e9) for k, v in tps.items()},
            "final_train_loss": {k: v[-1] for k, v in losses.items() if v}}
     if args.val_steps:
-        val = {}
-        with torch.no_grad():
-            for k, head in runs.items():
-                head.eval()
-                tot = torch.zeros(2, dtype=torch.float64)
-                for b in val_batches:  # (sum, count) pairs, as train.module aggregates them
-                    v = torch.as_tensor(head.validation_metrics(b)["loss"]).double().reshape(-1)
-                    tot += v if v.numel() == 2 else torch.stack([v.mean(), torch.ones((), dtype=torch.float64)])
-                val[k] = float(tot[0] / tot[1])
+        val = {k: v for k, v in curve[-1].items() if k != "steps"}
         out["val_loss_after_steps"] = {"steps": total, **val,
                                        "bf16_minus_fp32": val["bf16-mixed"] - val["float32"],
                                        "fp32_seed_noise": val["float32-seed1"] - val["float32"]}
+        out["val_loss_curve"] = curve
+        out["val_curve_max_abs"] = {"bf16_minus_fp32": max(abs(c["bf16-mixed"] - c["float32"]) for c in curve),
+                                    "fp32_seed_noise": max(abs(c["float32-seed1"] - c["float32"]) for c in curve)}
     return out
+
+
+@torch.no_grad()
+def _val_loss(head, val_batches) -> float:
+    """Mean validation loss of ``head`` (fp32 evaluation) over the held-out batches, as train.module
+    aggregates it: (sum, count) pairs where the head returns them, else batch means."""
+    was_training = head.training
+    head.eval()
+    tot = torch.zeros(2, dtype=torch.float64)
+    for b in val_batches:
+        v = torch.as_tensor(head.validation_metrics(b)["loss"]).double().reshape(-1)
+        tot += v if v.numel() == 2 else torch.stack([v.mean(), torch.ones((), dtype=torch.float64)])
+    head.train(was_training)
+    return float(tot[0] / tot[1])
 
 
 def main() -> None:
@@ -369,8 +383,9 @@ def summary(r: dict) -> str:
         lines += ["", "| training step (draft vocab) | fp32 tok/s | bf16-mixed tok/s | bf16 / fp32 | GFLOP/token | "
                       "share of limit (fp32 / bf16) | val loss fp32 / bf16 / fp32 other seed |", "|---|---:|---:|---:|---:|---:|---:|"]
         for name, t in r["train"].items():
-            v = t.get("val_loss_after_steps")
-            val = f"{v['float32']:.3f} / {v['bf16-mixed']:.3f} / {v['float32-seed1']:.3f} ({v['steps']} steps)" if v else "-"
+            v, c = t.get("val_loss_after_steps"), t.get("val_curve_max_abs")
+            val = (f"{v['float32']:.3f} / {v['bf16-mixed']:.3f} / {v['float32-seed1']:.3f} ({v['steps']} steps); over the "
+                   f"curve max abs bf16 - fp32 {c['bf16_minus_fp32']:.3f}, seed noise {c['fp32_seed_noise']:.3f}") if v else "-"
             lines.append(f"| {name} ({t['draft_vocab_size']}) | {t['tokens_per_s']['float32']:.0f} | "
                          f"{t['tokens_per_s']['bf16-mixed']:.0f} | {t['ratio']:.2f}x | {t['flops_per_token'] / 1e9:.3f} | "
                          f"{t['share_of_bf16_limit']['float32']:.0%} / {t['share_of_bf16_limit']['bf16-mixed']:.0%} | {val} |")
