@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,15 +149,29 @@ def measure_verify_ms(model, sizes: Sequence[int], context_tokens: int = 256, re
 
 
 def cost_key(identity, model, sizes: Sequence[int], context_tokens: int, repeats: int) -> dict[str, Any]:
-    """What a measurement depends on: base identity, device, dtype, intra-op threads, grid, context."""
+    """What a measurement depends on: base identity, device, dtype, intra-op threads, OpenMP's wait
+    policy, grid, context.
+
+    ``omp_wait_policy`` is ``$OMP_WAIT_POLICY`` upper-cased (None when unset): with ``PASSIVE`` a
+    2-thread verification forward measured 2.2x slower on this project's 2-core CPU (c(1) 133 against
+    59 ms) and its c(n)/c(1) flatter, so a measurement taken under one policy is never reused under
+    another (a tree planned on it was mis-sized; docs/precision.md).
+    """
     ident = identity.to_dict() if hasattr(identity, "to_dict") else identity
     dev = model_device(model)
     device = str(dev)
     if dev.type == "cuda":
         device += f" ({torch.cuda.get_device_name(dev)})"
     return {"base": ident, "device": device, "dtype": str(model.dtype).replace("torch.", ""),
-            "threads": int(torch.get_num_threads()), "sizes": [int(n) for n in sizes],
+            "threads": int(torch.get_num_threads()), "omp_wait_policy": omp_wait_policy(),
+            "sizes": [int(n) for n in sizes],
             "context_tokens": int(context_tokens), "repeats": int(repeats), "torch": torch.__version__}
+
+
+def omp_wait_policy() -> str | None:
+    """``$OMP_WAIT_POLICY`` as OpenMP reads it (upper-cased, stripped), or None when unset or empty."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()
+    return policy or None
 
 
 def load_or_measure(model, identity, root: str | Path, sizes: Sequence[int], context_tokens: int = 256,

@@ -488,7 +488,8 @@ def _acceptance_and_cost(cost: CostModel, setup, head, head_type: str, info, ev,
            "device": cost.key["device"], "dtype": cost.key["dtype"]}
     path = root / "calibration" / f"{head_type}-{sha256_json(key)[:16]}.json"
     partial = path.with_name(path.stem + ".partial.json")
-    threads = str(cost.key["threads"])
+    # drafter costs per thread count (and OpenMP wait policy, when set: cost_key)
+    threads = str(cost.key["threads"]) + (f"/{cost.key['omp_wait_policy']}" if cost.key.get("omp_wait_policy") else "")
     stats, costs, saved, cached = None, {}, None, False
     if path.is_file():
         try:

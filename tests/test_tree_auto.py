@@ -158,6 +158,15 @@ def test_cost_cache_is_reused_and_invalidated_by_device_dtype_threads(tiny_base,
     e = cost_model.cost_key(identity, model, grid, 8, 1)
     assert e["device"] == "mps" and e != a.key  # another device -> another cache file
     assert {cost_model.sha256_json(e), cost_model.sha256_json(a.key)}.__len__() == 2
+    monkeypatch.undo()  # the real measurement and device again
+    seen = {a.path}  # OpenMP's wait policy changed c(n) 2.2x here: each policy has its own measurement
+    for policy in ("passive", "ACTIVE", ""):
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+        f = cost_model.load_or_measure(model, identity, tmp_path, grid, context_tokens=8, repeats=1)
+        assert f.key["omp_wait_policy"] == (policy.upper() or None)
+        assert (f.path == a.path) == (f.key["omp_wait_policy"] == a.key["omp_wait_policy"])
+        seen.add(f.path)
+    assert len(seen) == 3  # PASSIVE, ACTIVE, unset (the suite runs under PASSIVE: tests/conftest.py)
 
 
 def test_cost_model_interpolates_measured_grid():
@@ -319,8 +328,9 @@ def test_plan_threads_sizes_a_one_thread_run_for_the_timing_threads(tiny_base, t
     assert trees["one_for_two"]["chosen"] == trees["two"]["chosen"] and trees["two"]["chosen"]["nodes"] > 1
     assert trees["one"]["chosen"]["nodes"] < trees["two"]["chosen"]["nodes"]
     cal = json.loads(open(trees["one"]["statistics"]["path"]).read())
-    assert set(cal["drafter_cost"]) == {"1", "2"} and "threads" not in cal["key"]
-    assert cal["drafter_cost"]["1"]["prompts"] == 3 and cal["drafter_cost"]["1"]["passes"] > 0
+    sfx = f"/{cost_model.omp_wait_policy()}" if cost_model.omp_wait_policy() else ""  # PASSIVE in the suite
+    assert set(cal["drafter_cost"]) == {f"1{sfx}", f"2{sfx}"} and "threads" not in cal["key"]
+    assert cal["drafter_cost"][f"1{sfx}"]["prompts"] == 3 and cal["drafter_cost"][f"1{sfx}"]["passes"] > 0
 
 
 @pytest.mark.parametrize("head", ["ctc", "falcon"])
