@@ -37,13 +37,14 @@ def cache_identity(cache_dir: str | Path) -> dict:
     Raises:
         FileNotFoundError: ``cache_dir/<split>/manifest.json`` is missing for both splits.
     """
+    from data_prep.cache import manifest_identity
+
     out: dict = {"cache_dir": str(Path(cache_dir).resolve()), "splits": {}}
     for split in ("train", "val"):
-        path = Path(cache_dir) / split / "manifest.json"
-        if path.is_file():
-            m = json.loads(path.read_text())
-            out["splits"][split] = {"manifest_sha256": sha256_file(path), "config_hash": m.get("config_hash"),
-                                    "records": m.get("num_records"), "tokens": m.get("num_tokens")}
+        ident = manifest_identity(Path(cache_dir) / split)
+        if ident is not None:
+            out["splits"][split] = {"manifest_sha256": ident["sha256"], "config_hash": ident["config_hash"],
+                                    "records": ident["records"], "tokens": ident["tokens"]}
     if not out["splits"]:
         raise FileNotFoundError(f"--cache {cache_dir}: no train/ or val/ manifest.json")
     return out

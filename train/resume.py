@@ -430,7 +430,7 @@ def data_identity(datamodule) -> dict[str, dict[str, Any]]:
 
     import torch
 
-    from core.io import sha256_file
+    from data_prep.cache import manifest_identity
 
     out: dict[str, dict[str, Any]] = {}
     for split in ("train", "val"):
@@ -438,9 +438,9 @@ def data_identity(datamodule) -> dict[str, dict[str, Any]]:
         if reader is None:
             continue
         directory = getattr(reader, "directory", None)
-        manifest = Path(directory) / "manifest.json" if directory is not None else None
-        if manifest is not None and manifest.is_file():
-            out[split] = {"sha256": sha256_file(manifest), "records": len(reader), "source": str(directory)}
+        ident = manifest_identity(directory) if directory is not None else None
+        if ident is not None:
+            out[split] = {"sha256": ident["sha256"], "records": len(reader), "source": str(directory)}
         elif isinstance(getattr(reader, "records", None), list):
             h = hashlib.sha256()
             for r in reader.records:
