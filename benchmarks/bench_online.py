@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
 
     from core.base_model import load_base_model
     from data_prep import pipeline
-    from data_prep.cache import collate, default_cache_dir
+    from data_prep.cache import default_cache_dir
     from data_prep.fp8 import storage_roundtrip
     from train.data import CacheDataModule, open_split
     from train.online import online_datamodule

@@ -121,7 +121,7 @@ def agreement(records: dict, model32, tie_margin: float, L: int, layers) -> dict
     """bf16 greedy labels against fp32 on the same positions, and the feature error (module doc)."""
     W = model32.get_output_embeddings().weight
     n = n_eq = n_as = n_as_eq = 0
-    margins_dis, margins_all, bf16_vs = [], [], []
+    margins_dis, margins_all = [], []
     err = {}
     for r32, r16 in zip(records["float32"], records["bfloat16"]):
         assert r32["id"] == r16["id"]
