@@ -4,6 +4,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from core.config import DTYPES, ConfigError, check_choice, check_range, register_validator
+from evaluation.fastest_vanilla import check_entries
 
 
 @register_validator
@@ -28,8 +29,9 @@ def _eval_checks(cfg: DictConfig) -> None:
     check_range(cfg, "eval.reference_width", 1, None)
     check_choice(cfg, "eval.dtype", DTYPES)
     fv = cfg.eval.get("fastest_vanilla", "auto")
-    if not (fv in ("auto", "off") or (isinstance(fv, ListConfig) and all(str(v) in DTYPES for v in fv))):
-        raise ConfigError(f"eval.fastest_vanilla={fv!r} must be auto, off or a list of dtypes ({', '.join(DTYPES)})")
+    if not (fv in ("auto", "off") or (isinstance(fv, ListConfig) and not check_entries(fv))):
+        raise ConfigError(f"eval.fastest_vanilla={fv!r} must be auto, off or a list of dtypes ({', '.join(DTYPES)}), "
+                          "each optionally :eager or :sdpa (float32:sdpa)")
     check_device(cfg.eval.get("device"))
     _tree_checks(cfg)
     variants = cfg.eval.get("variants")

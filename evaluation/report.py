@@ -7,12 +7,12 @@ of ``eval.tree=auto`` with measured beside predicted.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from core.config import to_container
+from decoding.cost_model import omp_wait_policy
 from evaluation.breakdown import group_table, timing_spread
 from evaluation.metrics import TAU_CONVENTION, summarize_method
 from evaluation.status import phases_line
@@ -50,7 +50,7 @@ def build_report(info, identity, device, model, ev, prompts, skipped, max_new, e
         "head_type": info["head_type"], "decoder": info["decoder"], "checkpoint": info["checkpoint"], "info": info,
         "base": identity.to_dict() if hasattr(identity, "to_dict") else str(identity),
         "device": str(device), "dtype": str(model.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": omp_wait_policy(),
         "prompts_source": str(ev.prompts) if ev.get("prompts") else "sharegpt-heldout",
         "num_prompts": len(prompts), "skipped_prompts": skipped, "max_new_tokens": max_new,
         "eos_token_ids": eos_ids,

@@ -18,7 +18,6 @@ interrupted run resumes.  Outputs in the run directory: ``config.yaml`` (resolve
 from __future__ import annotations
 
 import logging
-import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,6 +28,7 @@ from omegaconf import DictConfig
 
 from core.config import save_config, to_container
 from core.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from decoding.cost_model import omp_wait_policy
 from decoding.vanilla import check_context_limit, eos_token_ids, greedy_generate, sample_generate
 from evaluation.divergence import Accountant, add_accounting, failing_ids
 from evaluation.fastest_vanilla import build_references, fastest, reference_labels
@@ -76,7 +76,9 @@ def _decode_prompt(p, reference, decoders, max_new: int, device, repeats: int = 
     """Vanilla, then every decoder, on one prompt (timed separately): a JSON-safe record.
 
     ``refs`` (``{label: generate}``, :mod:`evaluation.fastest_vanilla`): other vanillas timed right
-    after vanilla in every round; ``rec["vanilla_refs"][label]`` holds their token count and seconds.
+    after vanilla in every round; ``rec["vanilla_refs"][label]`` holds their token count, whether they
+    decoded vanilla's tokens (``same_tokens``: another dtype may not; fp32 with another attention should)
+    and seconds.
 
     With ``repeats`` > 1 the whole round (vanilla, then each decoder) runs ``repeats`` times,
     interleaved so load drift hits all alike.  Tokens and stats are kept from the first round
@@ -101,8 +103,9 @@ def _decode_prompt(p, reference, decoders, max_new: int, device, repeats: int = 
             if j == 0:
                 for label, fn in (refs or {}).items():
                     toks_r, _, sec_r = _timed(fn, p.input_ids, max_new, device)
-                    ref_slot = rec.setdefault("vanilla_refs", {}).setdefault(label, {"tokens": len(toks_r),
-                                                                                     "seconds_repeats": []})
+                    ref_slot = rec.setdefault("vanilla_refs", {}).setdefault(
+                        label, {"tokens": len(toks_r), "same_tokens": toks_r == rec["vanilla"]["tokens"],
+                                "seconds_repeats": []})
                     ref_slot["seconds_repeats"].append(sec_r)
     for slot in [rec["vanilla"], *rec["methods"], *rec.get("vanilla_refs", {}).values()]:
         slot["seconds"] = sum(slot["seconds_repeats"]) / len(slot["seconds_repeats"])
@@ -117,9 +120,10 @@ def wait_policy_warning(device, threads: int, policy: str | None) -> str | None:
     the threads each time made it 2.8x slower on a 2-core machine of this project's kind (fp32,
     2 threads: 148 ms against 55 ms, ``benchmarks/bench_vanilla_step.py``; docs/precision.md).
     Both vanilla and speculative decoding pay it, but not equally, so a speedup measured under it
-    is not the one a user gets.
+    is not the one a user gets.  ``policy`` is :func:`decoding.cost_model.omp_wait_policy`'s
+    normalised value (upper-cased, None when unset), the one the cost caches are keyed by.
     """
-    if torch.device(device).type != "cpu" or threads < 2 or (policy or "").strip().upper() != "PASSIVE":
+    if torch.device(device).type != "cpu" or threads < 2 or policy != "PASSIVE":
         return None
     return (f"OMP_WAIT_POLICY=PASSIVE with {threads} threads: decoding steps run much slower (2.8x measured on "
             "2 cores, docs/precision.md), so tokens/s and speedups from this run are not speed figures; "
@@ -188,7 +192,7 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     if ev.get("threads"):
         torch.set_num_threads(int(ev.threads))
     device = resolve_device(ev.get("device"))
-    if (warning := wait_policy_warning(device, torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY"))):
+    if (warning := wait_policy_warning(device, torch.get_num_threads(), omp_wait_policy())):
         log.warning(warning)
     variants = variant_configs(cfg)
     if decoder is not None and variants[0][0] is not None:
@@ -253,14 +257,17 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     # bf16 / fp16 greedy: every divergence from vanilla (methods and probes) is accounted for (near tie or real error)
     loaded: dict[str, Any] = {}
 
-    def load_base(dtype: str):  # the base in another dtype (fp32 margins, fastest vanilla): once per dtype
-        if dtype not in loaded:
+    def load_base(dtype: str, attention: str | None = None):  # the base in another dtype or attention
+        key = (dtype, attention)                                  # (fp32 margins, fastest vanilla): once each
+        if key not in loaded:
             from core.base_model import load_base_model
 
             mc = to_container(cfg.model)
             mc["dtype"] = dtype
-            loaded[dtype] = load_base_model(mc)[0].to(device)
-        return loaded[dtype]
+            if attention:
+                mc["attn_implementation"] = attention
+            loaded[key] = load_base_model(mc)[0].to(device)
+        return loaded[key]
 
     accountant = Accountant.for_run(cfg, model, tokenizer, decoders, load=lambda: load_base("float32"))
     # the speed headline is against the fastest vanilla on this machine (eval.fastest_vanilla)

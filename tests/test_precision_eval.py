@@ -358,14 +358,16 @@ def test_bf16_report_is_against_the_fastest_vanilla_timed_in_the_same_run(tiny_m
         numerics.one_row_differs = real
     fv = rep["fastest_vanilla"]
     assert rep["info"]["row_consistent_layers"] > 0
-    assert set(fv["candidates"]) == {"bfloat16", "float32", "bfloat16 (native one-row kernels)"}
+    assert set(fv["candidates"]) == {"bfloat16", "float32", "bfloat16 (native one-row kernels)",
+                                     "bfloat16 (sdpa attention)", "float32 (sdpa attention)"}
     assert all(v > 0 for v in fv["candidates"].values()) and fv["candidates"]["bfloat16"] == rep["vanilla"]["tokens_per_s"]
     assert fv["label"] == max(fv["candidates"], key=fv["candidates"].get)
     assert fv["tokens_per_s"] == fv["candidates"][fv["label"]]
     assert fv["speedup"] == pytest.approx(rep["method"]["tokens_per_s"] / fv["tokens_per_s"])
     rec = [r for r in map(json.loads, (tmp_path / "out" / "progress.jsonl").read_text().splitlines())
            if "methods" in r][0]
-    assert set(rec["vanilla_refs"]) == {"float32", "bfloat16 (native one-row kernels)"}
+    assert set(rec["vanilla_refs"]) == {"float32", "bfloat16 (native one-row kernels)", "bfloat16 (sdpa attention)",
+                                        "float32 (sdpa attention)"}
     assert rec["vanilla_refs"]["float32"]["tokens"] > 0
     md = (tmp_path / "out" / "summary.md").read_text()
     assert "## Against the fastest vanilla" in md and f"| {fv['label']} |" in md
@@ -375,14 +377,47 @@ def test_fp32_report_times_bf16_vanilla_only_where_bf16_is_native(tiny_model_dir
     torch.set_num_threads(1)
     cfg = _cfg(tiny_model_dir, tmp_path, "checkpoint=oracle", "eval.dtype=float32", "eval.reference_depth=2")
     rep = run_evaluation(cfg)  # the suite pins DRAFTHEADS_BF16=slow: bf16 cannot be the faster vanilla
-    assert rep["fastest_vanilla"]["candidates"] == {"float32": rep["vanilla"]["tokens_per_s"]}
-    assert rep["fastest_vanilla"]["label"] == "float32" and "mode" not in rep["parity"]
+    # the eval's base runs eager attention (tree masks); vanilla can run sdpa, so that is timed too
+    assert set(rep["fastest_vanilla"]["candidates"]) == {"float32", "float32 (sdpa attention)"}
+    assert rep["fastest_vanilla"]["candidates"]["float32"] == rep["vanilla"]["tokens_per_s"]
+    assert rep["fastest_vanilla"]["label"] in rep["fastest_vanilla"]["candidates"] and "mode" not in rep["parity"]
+    recs = [r for r in map(json.loads, (tmp_path / "out" / "progress.jsonl").read_text().splitlines()) if "methods" in r]
+    assert recs and all(r["vanilla_refs"]["float32 (sdpa attention)"]["same_tokens"] for r in recs)
     assert rep["parity"]["matched"] == rep["parity"]["total"]  # fp32: exact parity, as before
     monkeypatch.setenv("DRAFTHEADS_BF16", "native")
     cfg = _cfg(tiny_model_dir, tmp_path, "checkpoint=oracle", "eval.dtype=float32", "eval.reference_depth=2",
                f"eval.output_dir={tmp_path / 'out2'}")
     rep = run_evaluation(cfg)
-    assert set(rep["fastest_vanilla"]["candidates"]) == {"float32", "bfloat16"}
+    assert set(rep["fastest_vanilla"]["candidates"]) == {"float32", "bfloat16", "float32 (sdpa attention)",
+                                                         "bfloat16 (sdpa attention)"}
+
+
+def test_fastest_vanilla_entries_name_dtype_and_attention():
+    """``eval.fastest_vanilla`` labels: a list entry ``dtype:attention`` times that attention; the
+    evaluation's own (dtype, attention) is never timed twice; an sdpa base gets no sdpa twins."""
+    from omegaconf import OmegaConf
+
+    from evaluation.fastest_vanilla import check_entries, parse_label, reference_labels
+
+    class Base:  # only what reference_labels reads
+        def __init__(self, dtype, attention):
+            self.dtype, self.config = dtype, type("C", (), {"_attn_implementation": attention})()
+
+    ev = lambda v: OmegaConf.create({"fastest_vanilla": v})
+    eager32 = Base(torch.float32, "eager")
+    assert reference_labels(ev(["float32:sdpa", "float32:eager", "bfloat16"]), eager32, "cpu", []) == [
+        "float32 (sdpa attention)", "bfloat16"]
+    assert reference_labels(ev("auto"), Base(torch.bfloat16, "eager"), "cpu", ["x"]) == [
+        "float32", "bfloat16 (native one-row kernels)", "bfloat16 (sdpa attention)", "float32 (sdpa attention)"]
+    assert reference_labels(ev("auto"), Base(torch.bfloat16, "sdpa"), "cpu", []) == ["float32"]
+    assert reference_labels(ev("off"), eager32, "cpu", []) == []
+    assert parse_label("float32 (sdpa attention)") == ("float32", "sdpa", False)
+    assert parse_label("bfloat16 (native one-row kernels)") == ("bfloat16", None, True)
+    assert parse_label("float32") == ("float32", None, False)
+    assert check_entries(["float32:sdpa", "bfloat16"]) == [] and check_entries(["float32:flash", "fp64"]) == [
+        "float32:flash", "fp64"]
+    with pytest.raises(ValueError, match="float32:flash"):
+        reference_labels(ev(["float32:flash"]), eager32, "cpu", [])
 
 
 def test_bad_fastest_vanilla_is_refused_before_anything_is_written(tiny_model_dir, tmp_path, capsys):
@@ -394,12 +429,14 @@ def test_bad_fastest_vanilla_is_refused_before_anything_is_written(tiny_model_di
     assert not out.exists() and not (tmp_path / "root").exists()
 
 
-def test_sleeping_openmp_threads_are_named_before_timing():
+def test_sleeping_openmp_threads_are_named_before_timing(monkeypatch):
     """OMP_WAIT_POLICY=PASSIVE made a 2-thread one-token step 2.8x slower here: a timing run under it
-    says so; one thread, another policy or a GPU do not."""
+    says so (however the variable is spelt, as OpenMP reads it); one thread, another policy or a GPU do not."""
+    from decoding.cost_model import omp_wait_policy
     from evaluation.runner import wait_policy_warning
 
-    msg = wait_policy_warning("cpu", 2, "passive")
+    monkeypatch.setenv("OMP_WAIT_POLICY", " passive ")
+    msg = wait_policy_warning("cpu", 2, omp_wait_policy())
     assert msg and "OMP_WAIT_POLICY=PASSIVE with 2 threads" in msg and "not speed figures" in msg
     assert wait_policy_warning("cpu", 1, "PASSIVE") is None
     assert wait_policy_warning("cpu", 2, "ACTIVE") is None and wait_policy_warning("cpu", 2, None) is None
