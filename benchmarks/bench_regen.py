@@ -41,10 +41,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-# libgomp's default spin-waiting burns the other engineers' cores on a shared, oversubscribed machine
-# (docs/data_prep.md); it must be set before torch loads.  Pass OMP_WAIT_POLICY=ACTIVE to compare.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
