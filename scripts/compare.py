@@ -29,7 +29,9 @@ omegaconf dotlist) and runs, each stage as a subprocess of this repository's ent
    for a group of one head, ``eval/<group>/{timing,quality}/<name>/`` for a group of several
    (``<group>`` = the names joined by ``+``);
 4. ``summary.md`` / ``summary.json`` in ``<output_dir>`` (:mod:`evaluation.summary`) with the
-   training steps, seconds and tokens seen of each head.
+   training steps, seconds and tokens seen of each head, and ``val_curves.png``: every trained
+   head's validation τ against tokens seen (:func:`train.val_schedule.plot_curves`; drawn even
+   before any evaluation has run).
 
 ``stages`` (default all of prep, train, eval, summary) selects what this invocation runs.
 
@@ -377,6 +379,18 @@ class Driver:
         return tokens_seen(lengths, batches, int(steps), int(run.seed), bool(t.shuffle), 1,
                            int(t.accumulate_grad_batches))
 
+    def plot_val_curves(self, names: list[str]) -> Path | None:
+        """``<output_dir>/val_curves.png`` from the runs' ``record.json`` (those that have one), or None."""
+        from train.val_schedule import RECORD, plot_curves
+
+        records = {n: json.loads((self.run_dir(n) / RECORD).read_text(encoding="utf-8")) for n in names
+                   if (self.run_dir(n) / RECORD).is_file()}
+        if self.dry_run or not any(r.get("validations") for r in records.values()):
+            return None
+        path = plot_curves(records, self.out / "val_curves.png", title="validation τ against tokens seen, per head")
+        print(f"[done] validation τ curves of {', '.join(records)} -> {path}")
+        return path
+
     def summarize(self, names: list[str]) -> None:
         from core.io import atomic_write_text
         from evaluation.summary import combine, summary_markdown
@@ -412,6 +426,7 @@ class Driver:
             for group in self.eval_groups(names):
                 self.evaluate(group)
         if "summary" in stages:
+            self.plot_val_curves(names)
             self.summarize(names)
         if self.parity_failures:
             print(f"PARITY FAILURE in {', '.join(self.parity_failures)} (see their eval/*/report.json)", file=sys.stderr)

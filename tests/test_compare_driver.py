@@ -87,6 +87,7 @@ def test_compare_driver_end_to_end_and_resume(tiny_setup, capsys):
         assert row["parity_per_turn"] == {"1": "5/5", "2": "5/5"}
     md = (out / "summary.md").read_text()
     assert "| ctc |" in md and "| ctc_ce |" in md and "t2: 5/5" in md and "| math |" in md
+    assert (out / "val_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # both heads' τ against tokens
     assert "| tree (τ runs) | timing tree | τ (timing) |" in md and "auto: 16 nodes" in md
 
     # run again: every stage is skipped, nothing is decoded or trained

@@ -156,3 +156,21 @@ def test_log_schedule_follows_tokens_seen_and_survives_resume(tiny_base, tiny_mo
     assert [(v["step"], v["tokens_seen"]) for v in again["validations"]] == \
         [(v["step"], v["tokens_seen"]) for v in record["validations"]]
     assert again["tokens_seen"] == record["tokens_seen"] == tokens[14]
+
+
+def test_learning_curves_of_several_heads_share_one_plot(tmp_path):
+    """plot_curves draws every run with a validation τ (a run without one is left out) and refuses
+    records with no τ at all, naming the runs."""
+    from train.val_schedule import plot_curves
+
+    def rec(taus):
+        return {"validations": [{"step": k + 1, "tokens_seen": 1000 * 2 ** k, "metrics": {"loss": 1.0, "sim_tau": t}}
+                                for k, t in enumerate(taus)]}
+
+    path = plot_curves({"ctc": rec([1.1, 1.3, 1.5]), "eagle3": rec([1.0, 1.2]), "planted": {"validations": []}},
+                       tmp_path / "curves.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    no_tau = {"validations": [{"step": 1, "tokens_seen": 10, "metrics": {"loss": 2.0}}]}
+    with pytest.raises(ValueError, match="adadecode"):
+        plot_curves({"adadecode": no_tau}, tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()

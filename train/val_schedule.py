@@ -242,3 +242,50 @@ def plot_curve(record: dict[str, Any], path: str | os.PathLike, title: str = "")
     fig.savefig(buf, format="png")
     atomic_write_bytes(path, buf.getvalue())
     return Path(path)
+
+
+def plot_curves(records: dict[str, dict[str, Any]], path: str | os.PathLike, title: str = "") -> Path:
+    """Several runs' validation τ against tokens seen on one log x axis, one line per run (its
+    ``best/`` starred): the learning curves of heads trained on one cache side by side.
+
+    Args:
+        records: ``{run name: record.json contents}`` (:meth:`ValidationSchedule.record`); runs
+            without a ``sim_tau`` validation are left out.
+        path: the PNG to write (atomically).
+
+    Raises:
+        ValueError: no record has a ``sim_tau`` validation.
+    """
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
+
+    from core.io import atomic_write_bytes
+
+    shown = {name: [v for v in r.get("validations", []) if v["metrics"].get("sim_tau") is not None]
+             for name, r in records.items()}
+    shown = {name: vals for name, vals in shown.items() if vals}
+    if not shown:
+        raise ValueError(f"no validation τ (val/sim_tau) in the records of {sorted(records)}")
+    fig = Figure(figsize=(6.4, 4.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for name, vals in shown.items():
+        (line,) = ax.plot([max(1, int(v["tokens_seen"])) for v in vals], [v["metrics"]["sim_tau"] for v in vals],
+                          "o-", markersize=4, label=name)
+        best = best_validation(vals, "val/sim_tau", "max")
+        ax.plot([max(1, best["tokens_seen"])], [best["metrics"]["sim_tau"]], "*", color=line.get_color(),
+                markersize=12)
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("validation τ (simulated, incl. bonus)")
+    ax.legend(loc="best", fontsize=8, title="★ = best/", title_fontsize=8)
+    ax.set_title(title or "validation τ against tokens seen", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
+    return Path(path)
