@@ -95,6 +95,29 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def manifest_identity(directory: str | os.PathLike, name: str = "manifest.json") -> dict[str, Any] | None:
+    """The identity of one data-prep cache split: ``{"sha256", "records", "tokens", "config_hash"}``
+    of ``directory/<name>``, or None when it has none (data prep has not finished there).
+
+    The manifest lists every shard's SHA-256 and record count, so its own SHA-256 changes with any
+    rebuilt shard of other bytes, and a deterministic re-run of data prep gives the same one.  What
+    resume checks (``train.resume.data_identity``) and what a shipped head records
+    (``heads.ship.cache_identity``).
+
+    Raises:
+        ValueError: the manifest is not JSON (the message names it).
+    """
+    path = Path(directory) / name
+    if not path.is_file():
+        return None
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a JSON manifest ({exc})") from exc
+    return {"sha256": sha256_file(path), "records": m.get("num_records"), "tokens": m.get("num_tokens"),
+            "config_hash": m.get("config_hash")}
+
+
 def sha256_json(obj: Any) -> str:
     """Hex SHA-256 of the canonical (key-sorted, compact) JSON encoding of ``obj``."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

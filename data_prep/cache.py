@@ -238,23 +238,6 @@ def write_manifest(directory: Path, num_shards: int, header: dict[str, Any]) -> 
     return manifest
 
 
-def manifest_identity(directory: str | Path) -> dict[str, Any] | None:
-    """The identity of one cache split: ``{"sha256", "records", "tokens", "config_hash"}`` of
-    ``directory/manifest.json``, or None when it has none (data prep has not finished there).
-
-    The manifest lists every shard's SHA-256 and record count, so its own SHA-256 changes with any
-    rebuilt shard of other bytes, and a deterministic re-run of data prep gives the same one.  What
-    resume checks (``train.resume.data_identity``) and what a shipped head records
-    (``heads.ship.cache_identity``).
-    """
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        return None
-    m = json.loads(path.read_text())
-    return {"sha256": sha256_file(path), "records": m.get("num_records"), "tokens": m.get("num_tokens"),
-            "config_hash": m.get("config_hash")}
-
-
 # ----------------------------------------------------------------------------------------------
 # reading
 # ----------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from core.finite import check_finite
-from core.io import atomic_save_safetensors, atomic_write_bytes, atomic_write_json, sha256_file
+from core.io import atomic_save_safetensors, atomic_write_bytes, atomic_write_json, manifest_identity, sha256_file
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 RUN_FILES = ("record.json", "val_curve.png", "config.yaml")
@@ -37,8 +37,6 @@ def cache_identity(cache_dir: str | Path) -> dict:
     Raises:
         FileNotFoundError: ``cache_dir/<split>/manifest.json`` is missing for both splits.
     """
-    from data_prep.cache import manifest_identity
-
     out: dict = {"cache_dir": str(Path(cache_dir).resolve()), "splits": {}}
     for split in ("train", "val"):
         ident = manifest_identity(Path(cache_dir) / split)

@@ -430,7 +430,7 @@ def data_identity(datamodule) -> dict[str, dict[str, Any]]:
 
     import torch
 
-    from data_prep.cache import manifest_identity
+    from core.io import manifest_identity
 
     out: dict[str, dict[str, Any]] = {}
     for split in ("train", "val"):
