@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

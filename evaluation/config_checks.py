@@ -4,7 +4,19 @@ from __future__ import annotations
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from core.config import DTYPES, ConfigError, check_choice, check_range, register_validator
-from evaluation.fastest_vanilla import check_entries
+
+ATTENTIONS = ("eager", "sdpa")
+
+
+def check_fastest_vanilla_entries(value) -> list[str]:
+    """The entries of a list-valued ``eval.fastest_vanilla`` that are neither a dtype nor
+    ``<dtype>:<attention>`` (:mod:`evaluation.fastest_vanilla`); empty when all are good."""
+    bad = []
+    for v in value:
+        dtype, _, attention = str(v).partition(":")
+        if dtype not in DTYPES or (attention and attention not in ATTENTIONS):
+            bad.append(str(v))
+    return bad
 
 
 @register_validator
@@ -29,7 +41,7 @@ def _eval_checks(cfg: DictConfig) -> None:
     check_range(cfg, "eval.reference_width", 1, None)
     check_choice(cfg, "eval.dtype", DTYPES)
     fv = cfg.eval.get("fastest_vanilla", "auto")
-    if not (fv in ("auto", "off") or (isinstance(fv, ListConfig) and not check_entries(fv))):
+    if not (fv in ("auto", "off") or (isinstance(fv, ListConfig) and not check_fastest_vanilla_entries(fv))):
         raise ConfigError(f"eval.fastest_vanilla={fv!r} must be auto, off or a list of dtypes ({', '.join(DTYPES)}), "
                           "each optionally :eager or :sdpa (float32:sdpa)")
     check_device(cfg.eval.get("device"))

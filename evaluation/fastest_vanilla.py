@@ -16,12 +16,19 @@ these references, then the methods), and the report gives the method against the
   dtype's vanilla **with its native one-row kernels**; an fp32 evaluation also times **bf16**
   vanilla where bf16 is native on the device (:func:`core.precision.bf16_support`), none else
   (where bf16 is slow or emulated it cannot be the faster one).  When the evaluation's base runs
-  an attention other than ``sdpa`` (``eager``: the tree masks of verification need it), every one
-  of these dtypes is also timed **with sdpa attention**, which vanilla decoding can use (0-5 %
-  faster for a one-token step on 2 CPU threads, docs/precision.md).
+  an attention other than ``sdpa`` (``eager``: the tree masks of verification need it), the eval
+  dtype and each of these dtypes are also timed **with sdpa attention**, which vanilla decoding can
+  use.  On this project's CPU sdpa's one-token step is 5 % faster than eager's in fp32 and 19 % in
+  bf16 on 2 threads, and 4 % slower in fp32 on 1 thread (docs/precision.md).
 * ``off``: only the evaluation's own vanilla (``fastest_vanilla`` names it).
 * a list of dtypes, e.g. ``[float32, bfloat16]``: those (the eval dtype's own is always there); an
   entry ``<dtype>:<attention>`` (``float32:sdpa``, ``bfloat16:eager``) names the attention too.
+
+A reference runs on the weights of its dtype's vanilla, with no copy: the evaluation's own base for
+its dtype (so a bf16 ``(sdpa attention)`` reference keeps the row-consistent kernels of bf16
+vanilla; ``(native one-row kernels)`` is the one without them), one loaded copy per other dtype.  An
+attention is switched for the duration of each reference call (``set_attn_implementation``: the
+attention layers read it at every forward) and restored after it.
 
 Only greedy evaluations have references (sampling compares distributions, not speed headlines).
 """
@@ -29,17 +36,17 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 from omegaconf import ListConfig
 
-from core.config import DTYPES
 from decoding.vanilla import greedy_generate
+from evaluation.config_checks import check_fastest_vanilla_entries
 
 log = logging.getLogger(__name__)
 
 NATIVE_ONE_ROW = "native one-row kernels"
-ATTENTIONS = ("eager", "sdpa")
 
 
 def attention_label(dtype: str, attention: str) -> str:
@@ -48,7 +55,7 @@ def attention_label(dtype: str, attention: str) -> str:
 
 
 def parse_label(label: str) -> tuple[str, str | None, bool]:
-    """``(dtype, attention or None for the evaluation's own, native one-row kernels?)`` of a label."""
+    """``(dtype, attention or None for the base's own, native one-row kernels?)`` of a reference label."""
     dtype, _, rest = label.partition(" (")
     rest = rest.rstrip(")")
     if rest == NATIVE_ONE_ROW:
@@ -58,19 +65,22 @@ def parse_label(label: str) -> tuple[str, str | None, bool]:
 
 def model_attention(model) -> str | None:
     """The attention implementation a transformers model runs (``eager``, ``sdpa``, ...), or None."""
-    config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None) or getattr(config, "attn_implementation", None)
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
-def check_entries(value) -> list[str]:
-    """The entries of a list-valued ``eval.fastest_vanilla`` that are neither a dtype nor
-    ``<dtype>:<attention>`` (empty when all are good)."""
-    bad = []
-    for v in value:
-        dtype, _, attention = str(v).partition(":")
-        if dtype not in DTYPES or (attention and attention not in ATTENTIONS):
-            bad.append(str(v))
-    return bad
+@contextmanager
+def attention_as(model, attention: str | None) -> Iterator[None]:
+    """Run ``model`` with ``attention`` inside the block, restoring its own on exit (also on error);
+    nothing changes when ``attention`` is None or already the model's."""
+    own = model_attention(model)
+    if attention is None or attention == own:
+        yield
+        return
+    model.set_attn_implementation(attention)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
 
 
 def reference_labels(ev, model, device, row_padded: Sequence[str]) -> list[str]:
@@ -89,29 +99,29 @@ def reference_labels(ev, model, device, row_padded: Sequence[str]) -> list[str]:
     value = ev.get("fastest_vanilla", "auto")
     if float(ev.get("temperature") or 0.0) > 0 or value in ("off", None, False):
         return []
+    native = [f"{dtype} ({NATIVE_ONE_ROW})"] if row_padded else []
     if value == "auto":
         if dtype != "float32":
-            dtypes = ["float32"]
-            wanted = ["float32"] + ([f"{dtype} ({NATIVE_ONE_ROW})"] if row_padded else [])
+            others = ["float32"]
         else:
-            dtypes = ["bfloat16"] if bf16_support(device).level == "native" else []
-            wanted = list(dtypes)
+            others = ["bfloat16"] if bf16_support(device).level == "native" else []
+        wanted = others + (native if dtype != "float32" else [])
         if own_attention not in (None, "sdpa"):
-            wanted += [attention_label(d, "sdpa") for d in [dtype, *dtypes]]
+            wanted += [attention_label(d, "sdpa") for d in [dtype, *others]]
     elif isinstance(value, (list, tuple, ListConfig)):
-        bad = check_entries(value)
+        bad = check_fastest_vanilla_entries(value)
         if bad:
             raise ValueError(f"eval.fastest_vanilla={list(value)}: {bad} not dtypes (float32, bfloat16, float16), "
                              "optionally with :eager or :sdpa")
         wanted = []
-        for v in map(str, value):
-            d, _, attention = v.partition(":")
+        for entry in map(str, value):
+            d, _, attention = entry.partition(":")
             if attention and attention != own_attention:
                 wanted.append(attention_label(d, attention))
             elif d != dtype:
                 wanted.append(d)
-        if row_padded and dtype in [str(v) for v in value]:
-            wanted.append(f"{dtype} ({NATIVE_ONE_ROW})")
+            else:  # the evaluation's own vanilla: always timed; its native kernels are another vanilla
+                wanted += native
     else:
         raise ValueError(f"eval.fastest_vanilla={value!r}: use auto, off or a list of dtypes")
     return list(dict.fromkeys(wanted))
@@ -122,11 +132,27 @@ def build_references(labels: Sequence[str], model, load: Callable[[str], Any], e
 
     Args:
         labels: from :func:`reference_labels`.
-        model: the evaluation's base (its copy with native one-row kernels is made by deep copy).
-        load: returns the base in a dtype, optionally with an attention implementation
-            (``load("float32")``, ``load("float32", "sdpa")``): loaded once per pair.
+        model: the evaluation's base: the weights of its dtype's references (its copy with native
+            one-row kernels is made by deep copy).
+        load: returns the base in another dtype (``load("float32")``): called once per dtype.
     """
     from decoding.numerics import restore_one_row_products
+
+    own_dtype = str(model.dtype).replace("torch.", "")
+    loaded: dict[str, Any] = {}
+
+    def weights(dtype: str):
+        if dtype == own_dtype:
+            return model
+        if dtype not in loaded:
+            loaded[dtype] = load(dtype)
+        return loaded[dtype]
+
+    def decoder(m, attention):
+        def generate(ids, n):
+            with attention_as(m, attention):
+                return greedy_generate(m, ids, n, eos_ids)
+        return generate
 
     refs = {}
     for label in labels:
@@ -135,11 +161,11 @@ def build_references(labels: Sequence[str], model, load: Callable[[str], Any], e
             m = copy.deepcopy(model)
             restore_one_row_products(m)
         else:
-            m = load(dtype, attention) if attention else load(dtype)
-        refs[label] = (lambda mm: (lambda ids, n: greedy_generate(mm, ids, n, eos_ids)))(m)
+            m = weights(dtype)
+        refs[label] = decoder(m, attention)
     if refs:
         log.info("speed headline against the fastest vanilla of: %s (eval.fastest_vanilla)",
-                 ", ".join([str(model.dtype).replace("torch.", "")] + list(refs)))
+                 ", ".join([own_dtype] + list(refs)))
     return refs
 
 

@@ -257,17 +257,14 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     # bf16 / fp16 greedy: every divergence from vanilla (methods and probes) is accounted for (near tie or real error)
     loaded: dict[str, Any] = {}
 
-    def load_base(dtype: str, attention: str | None = None):  # the base in another dtype or attention
-        key = (dtype, attention)                                  # (fp32 margins, fastest vanilla): once each
-        if key not in loaded:
+    def load_base(dtype: str):  # the base in another dtype (fp32 margins, fastest vanilla): once per dtype
+        if dtype not in loaded:
             from core.base_model import load_base_model
 
             mc = to_container(cfg.model)
             mc["dtype"] = dtype
-            if attention:
-                mc["attn_implementation"] = attention
-            loaded[key] = load_base_model(mc)[0].to(device)
-        return loaded[key]
+            loaded[dtype] = load_base_model(mc)[0].to(device)
+        return loaded[dtype]
 
     accountant = Accountant.for_run(cfg, model, tokenizer, decoders, load=lambda: load_base("float32"))
     # the speed headline is against the fastest vanilla on this machine (eval.fastest_vanilla)

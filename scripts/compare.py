@@ -380,15 +380,22 @@ class Driver:
                            int(t.accumulate_grad_batches))
 
     def plot_val_curves(self, names: list[str]) -> Path | None:
-        """``<output_dir>/val_curves.png`` from the runs' ``record.json`` (those that have one), or None."""
+        """``<output_dir>/val_curves.png`` from the runs' ``record.json`` (those with a validation τ),
+        or None (and a ``[skip]`` line) when none has one: a head monitored by its loss alone
+        (AdaDecode) has no τ to draw, and that must not stop the summary."""
         from train.val_schedule import RECORD, plot_curves
 
+        if self.dry_run:
+            return None
         records = {n: json.loads((self.run_dir(n) / RECORD).read_text(encoding="utf-8")) for n in names
                    if (self.run_dir(n) / RECORD).is_file()}
-        if self.dry_run or not any(r.get("validations") for r in records.values()):
+        path = self.out / "val_curves.png"
+        try:
+            drawn = plot_curves(records, path, title="validation τ against tokens seen, per head")
+        except ValueError as exc:
+            print(f"[skip] validation τ curves: {exc}")
             return None
-        path = plot_curves(records, self.out / "val_curves.png", title="validation τ against tokens seen, per head")
-        print(f"[done] validation τ curves of {', '.join(records)} -> {path}")
+        print(f"[done] validation τ curves of {', '.join(drawn)} -> {path}")
         return path
 
     def summarize(self, names: list[str]) -> None:

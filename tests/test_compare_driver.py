@@ -210,3 +210,21 @@ def test_record_config_dry_run(tmp_path, capsys):
     assert "labels=regenerate" in cmds["prep-regenerated"] and "prep.dtype=float8_e4m3fn" in cmds["prep-regenerated"]
     assert "train.val_schedule=log" in cmds["train-eagle3"] and "train.max_epochs=1" in cmds["train-eagle3"]
     assert "caches/regenerated" in cmds["train-falcon_k1_regen"] and "caches/teacher_forced" in cmds["train-ctc"]
+
+
+def test_heads_without_a_validation_tau_do_not_stop_the_summary(tmp_path, capsys):
+    """AdaDecode is monitored by its loss: a comparison of such heads alone has no τ curve to draw,
+    which is said ([skip]) and must not raise before summary.md is written."""
+    cfg = compare.load_config(ROOT / "configs" / "compare.yaml", [f"output_dir={tmp_path}", "heads_to_run=[adadecode]"])
+    driver = compare.Driver(cfg)
+    run = driver.run_dir("adadecode")
+    run.mkdir(parents=True)
+    (run / "record.json").write_text(json.dumps(
+        {"validations": [{"step": 1, "tokens_seen": 100, "metrics": {"loss": 2.0}}]}))
+    assert driver.plot_val_curves(["adadecode"]) is None
+    assert "[skip] validation τ curves: no validation τ" in capsys.readouterr().out
+    assert not (tmp_path / "val_curves.png").exists()
+    (run / "record.json").write_text(json.dumps(
+        {"validations": [{"step": 1, "tokens_seen": 100, "metrics": {"loss": 2.0, "sim_tau": 1.2}}]}))
+    assert driver.plot_val_curves(["adadecode"]) == tmp_path / "val_curves.png"
+    assert "[done] validation τ curves of adadecode" in capsys.readouterr().out

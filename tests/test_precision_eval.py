@@ -380,7 +380,8 @@ def test_fp32_report_times_bf16_vanilla_only_where_bf16_is_native(tiny_model_dir
     # the eval's base runs eager attention (tree masks); vanilla can run sdpa, so that is timed too
     assert set(rep["fastest_vanilla"]["candidates"]) == {"float32", "float32 (sdpa attention)"}
     assert rep["fastest_vanilla"]["candidates"]["float32"] == rep["vanilla"]["tokens_per_s"]
-    assert rep["fastest_vanilla"]["label"] in rep["fastest_vanilla"]["candidates"] and "mode" not in rep["parity"]
+    cand = rep["fastest_vanilla"]["candidates"]
+    assert rep["fastest_vanilla"]["label"] == max(cand, key=cand.get) and "mode" not in rep["parity"]
     recs = [r for r in map(json.loads, (tmp_path / "out" / "progress.jsonl").read_text().splitlines()) if "methods" in r]
     assert recs and all(r["vanilla_refs"]["float32 (sdpa attention)"]["same_tokens"] for r in recs)
     assert rep["parity"]["matched"] == rep["parity"]["total"]  # fp32: exact parity, as before
@@ -397,7 +398,8 @@ def test_fastest_vanilla_entries_name_dtype_and_attention():
     evaluation's own (dtype, attention) is never timed twice; an sdpa base gets no sdpa twins."""
     from omegaconf import OmegaConf
 
-    from evaluation.fastest_vanilla import check_entries, parse_label, reference_labels
+    from evaluation.config_checks import check_fastest_vanilla_entries as check_entries
+    from evaluation.fastest_vanilla import parse_label, reference_labels
 
     class Base:  # only what reference_labels reads
         def __init__(self, dtype, attention):
@@ -411,6 +413,10 @@ def test_fastest_vanilla_entries_name_dtype_and_attention():
         "float32", "bfloat16 (native one-row kernels)", "bfloat16 (sdpa attention)", "float32 (sdpa attention)"]
     assert reference_labels(ev("auto"), Base(torch.bfloat16, "sdpa"), "cpu", []) == ["float32"]
     assert reference_labels(ev("off"), eager32, "cpu", []) == []
+    # the evaluation's own vanilla however it is spelt: its native one-row kernels are the other vanilla
+    eager16 = Base(torch.bfloat16, "eager")
+    for spelt in (["bfloat16"], ["bfloat16:eager"]):
+        assert reference_labels(ev(spelt), eager16, "cpu", ["x"]) == ["bfloat16 (native one-row kernels)"], spelt
     assert parse_label("float32 (sdpa attention)") == ("float32", "sdpa", False)
     assert parse_label("bfloat16 (native one-row kernels)") == ("bfloat16", None, True)
     assert parse_label("float32") == ("float32", None, False)
@@ -441,3 +447,31 @@ def test_sleeping_openmp_threads_are_named_before_timing(monkeypatch):
     assert wait_policy_warning("cpu", 1, "PASSIVE") is None
     assert wait_policy_warning("cpu", 2, "ACTIVE") is None and wait_policy_warning("cpu", 2, None) is None
     assert wait_policy_warning("cuda", 8, "PASSIVE") is None
+
+
+def test_references_share_the_weights_and_restore_the_attention(tiny_model_dir):
+    """A reference in the evaluation's dtype runs on the evaluation's own base with its attention
+    switched for the call only (restored after it, also when it raises); another dtype is loaded once."""
+    from core.base_model import load_base_model
+    from evaluation.fastest_vanilla import attention_as, build_references, model_attention
+
+    torch.set_num_threads(1)
+    model = load_base_model({"path": str(tiny_model_dir), "dtype": "float32", "attn_implementation": "eager"})[0]
+    loads = []
+
+    def load(dtype):
+        loads.append(dtype)
+        return load_base_model({"path": str(tiny_model_dir), "dtype": dtype, "attn_implementation": "eager"})[0]
+
+    refs = build_references(["float32 (sdpa attention)", "bfloat16", "bfloat16 (sdpa attention)"], model, load, [])
+    assert loads == ["bfloat16"]
+    ids = torch.tensor([1, 5, 9, 17, 33])
+    sdpa_tokens, _ = refs["float32 (sdpa attention)"](ids, 6)
+    assert model_attention(model) == "eager"
+    eager_tokens, _ = greedy_generate(model, ids, 6, [])
+    assert sdpa_tokens == eager_tokens
+    with pytest.raises(RuntimeError):
+        with attention_as(model, "sdpa"):
+            assert model_attention(model) == "sdpa"
+            raise RuntimeError("a decoder failed")
+    assert model_attention(model) == "eager"

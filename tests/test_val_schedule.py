@@ -167,10 +167,11 @@ def test_learning_curves_of_several_heads_share_one_plot(tmp_path):
         return {"validations": [{"step": k + 1, "tokens_seen": 1000 * 2 ** k, "metrics": {"loss": 1.0, "sim_tau": t}}
                                 for k, t in enumerate(taus)]}
 
-    path = plot_curves({"ctc": rec([1.1, 1.3, 1.5]), "eagle3": rec([1.0, 1.2]), "planted": {"validations": []}},
-                       tmp_path / "curves.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     no_tau = {"validations": [{"step": 1, "tokens_seen": 10, "metrics": {"loss": 2.0}}]}
+    drawn = plot_curves({"ctc": rec([1.1, 1.3, 1.5]), "adadecode": no_tau, "eagle3": rec([1.0, 1.2]),
+                         "planted": {"validations": []}}, tmp_path / "curves.png")
+    assert drawn == ["ctc", "eagle3"]
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="adadecode"):
         plot_curves({"adadecode": no_tau}, tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()

@@ -244,7 +244,7 @@ def plot_curve(record: dict[str, Any], path: str | os.PathLike, title: str = "")
     return Path(path)
 
 
-def plot_curves(records: dict[str, dict[str, Any]], path: str | os.PathLike, title: str = "") -> Path:
+def plot_curves(records: dict[str, dict[str, Any]], path: str | os.PathLike, title: str = "") -> list[str]:
     """Several runs' validation τ against tokens seen on one log x axis, one line per run (its
     ``best/`` starred): the learning curves of heads trained on one cache side by side.
 
@@ -252,6 +252,9 @@ def plot_curves(records: dict[str, dict[str, Any]], path: str | os.PathLike, tit
         records: ``{run name: record.json contents}`` (:meth:`ValidationSchedule.record`); runs
             without a ``sim_tau`` validation are left out.
         path: the PNG to write (atomically).
+
+    Returns:
+        The names of the runs drawn, in ``records`` order.
 
     Raises:
         ValueError: no record has a ``sim_tau`` validation.
@@ -288,4 +291,4 @@ def plot_curves(records: dict[str, dict[str, Any]], path: str | os.PathLike, tit
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     atomic_write_bytes(path, buf.getvalue())
-    return Path(path)
+    return list(shown)
