@@ -350,7 +350,8 @@ class Driver:
 
     def training_record(self, name: str) -> dict[str, Any]:
         """Steps and training seconds of a head's run (the ``extra`` of its exported ``last/`` and
-        of the evaluated checkpoint; ``train_seconds`` is Lightning's Timer over all resumed segments)."""
+        of the evaluated checkpoint; ``train_seconds`` is Lightning's Timer over all resumed segments,
+        or, under a token budget, the run record's time inside training batches, :mod:`train.val_schedule`)."""
         out: dict[str, Any] = {}
         for key, d in (("last", self.run_dir(name) / "last"), ("evaluated", self.checkpoint(name))):
             f = d / "config.json"
@@ -361,6 +362,9 @@ class Driver:
                                train_tokens=self.train_tokens(name, extra.get("global_step")))
                 else:
                     out.update(evaluated_checkpoint=str(d), evaluated_step=extra.get("global_step"))
+        record = self.run_dir(name) / "record.json"
+        if out.get("train_seconds") is None and record.is_file():  # a token budget has no Timer: the run record's
+            out["train_seconds"] = json.loads(record.read_text(encoding="utf-8")).get("train_seconds")
         return out
 
     def train_tokens(self, name: str, steps: int | None) -> int | None:

@@ -156,6 +156,14 @@ def test_log_schedule_follows_tokens_seen_and_survives_resume(tiny_base, tiny_mo
     assert [(v["step"], v["tokens_seen"]) for v in again["validations"]] == \
         [(v["step"], v["tokens_seen"]) for v in record["validations"]]
     assert again["tokens_seen"] == record["tokens_seen"] == tokens[14]
+    # wall-clock in training batches: rising at every validation, and the resumed run keeps the killed
+    # run's seconds (its first validations are the killed run's own entries, later ones add to them)
+    for rec in (record, again):
+        seconds = [v["train_seconds"] for v in rec["validations"]]
+        assert all(b > a > 0 for a, b in zip(seconds, seconds[1:])) and rec["train_seconds"] >= seconds[-1]
+    before = [v["train_seconds"] for v in part_record["validations"]]
+    assert [v["train_seconds"] for v in again["validations"][:len(before)]] == before
+    assert again["validations"][len(before)]["train_seconds"] > before[-1]
 
 
 def test_learning_curves_of_several_heads_share_one_plot(tmp_path):
@@ -175,3 +183,20 @@ def test_learning_curves_of_several_heads_share_one_plot(tmp_path):
     with pytest.raises(ValueError, match="adadecode"):
         plot_curves({"adadecode": no_tau}, tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_train_seconds_unknown_after_resuming_a_checkpoint_without_them():
+    """A checkpoint written before train_seconds was recorded resumes with the time unknown (None),
+    never with a count that silently starts at the resume; a fresh run starts at zero."""
+    from train.val_schedule import ValidationSchedule
+
+    sched = ValidationSchedule("log", 10, 32, 2.0)
+    sched.load_state_dict({"tokens_seen": 500, "threshold": 512, "last_val_step": 3, "validations": []})
+    assert sched.train_seconds is None and sched.state_dict()["train_seconds"] is None
+    sched.on_train_batch_start(None, None, {}, 0)
+    assert sched.train_seconds is None
+    fresh = ValidationSchedule("log", 10, 32, 2.0)
+    fresh.load_state_dict({"tokens_seen": 0, "validations": []})
+    assert fresh.train_seconds == 0.0
+    fresh.load_state_dict({"tokens_seen": 500, "train_seconds": 12.5, "validations": []})
+    assert fresh.train_seconds == 12.5

@@ -25,8 +25,12 @@ validation global rank 0 writes
 
 * ``<run_dir>/record.json`` - the monitor (``val/sim_tau`` max for heads with a simulated τ,
   ``val/loss`` min for the others), the schedule, each validation's ``step``, ``epoch``,
-  ``tokens_seen`` and metrics (``loss``, ``sim_tau``, ...), the best validation by the monitor and
-  the checkpoints kept (``train.save_top_k``; -1 keeps every validation's);
+  ``tokens_seen``, ``train_seconds`` and metrics (``loss``, ``sim_tau``, ...), the best validation by
+  the monitor and the checkpoints kept (``train.save_top_k``; -1 keeps every validation's).
+  ``train_seconds`` is global rank 0's wall-clock time inside training batches (forward, backward,
+  optimizer step; not validation, checkpointing or data loading between batches) summed over every
+  resumed segment: the x axis of an equal-wall-clock comparison.  It is None for a run resumed from
+  a checkpoint written before it was recorded (its earlier time is unknown);
 * ``<run_dir>/val_curve.png`` - validation τ (or the monitor) and loss against tokens seen
   (matplotlib, Agg canvas).
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,14 +115,20 @@ class ValidationSchedule(Callback):
         self.validations: list[dict[str, Any]] = []
         self._pending = 0  # this rank's tokens since the last optimizer step
         self._total = 0  # optimizer-step budget of the fit (set at train start)
+        self.train_seconds: float | None = 0.0  # wall-clock inside training batches, all segments
+        self._batch_started: float | None = None
 
     # -- resume state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"tokens_seen": int(self.tokens_seen), "threshold": int(self.threshold),
-                "last_val_step": int(self.last_val_step), "validations": [dict(v) for v in self.validations]}
+                "last_val_step": int(self.last_val_step), "validations": [dict(v) for v in self.validations],
+                "train_seconds": self.train_seconds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tokens_seen = int(state.get("tokens_seen", 0))
+        # a checkpoint from before train_seconds was recorded: the time of its steps is unknown
+        seconds = state.get("train_seconds", None if self.tokens_seen else 0.0)
+        self.train_seconds = None if seconds is None else float(seconds)
         self.threshold = int(state.get("threshold", self.first_tokens))
         self.last_val_step = int(state.get("last_val_step", 0))
         self.validations = [dict(v) for v in state.get("validations", [])]
@@ -130,7 +141,13 @@ class ValidationSchedule(Callback):
         if self.kind == "log":
             trainer.val_check_batch = NEVER
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._batch_started = time.perf_counter()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self._batch_started is not None and self.train_seconds is not None:
+            self.train_seconds += time.perf_counter() - self._batch_started
+        self._batch_started = None
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         if mask is not None:
             self._pending += int(mask.sum())
@@ -161,6 +178,7 @@ class ValidationSchedule(Callback):
         step = int(trainer.global_step)
         values = dict(getattr(pl_module, "validation_results", {}) or {})
         entry = {"step": step, "epoch": int(trainer.current_epoch), "tokens_seen": int(self.tokens_seen),
+                 "train_seconds": None if self.train_seconds is None else round(self.train_seconds, 3),
                  "metrics": {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None)
                              for k, v in sorted(values.items())}}
         self.validations = [v for v in self.validations if v["step"] != step] + [entry]
@@ -183,7 +201,9 @@ class ValidationSchedule(Callback):
         return {"format": FORMAT, "monitor": self.monitor, "mode": self.mode,
                 "val_schedule": {"kind": self.kind, "every_n_steps": self.every_n_steps,
                                  **({"first_tokens": self.first_tokens, "factor": self.factor} if self.kind == "log" else {})},
-                "tokens_seen": int(self.tokens_seen), "validations": list(self.validations),
+                "tokens_seen": int(self.tokens_seen),
+                "train_seconds": None if self.train_seconds is None else round(self.train_seconds, 3),
+                "validations": list(self.validations),
                 "best": best, "checkpoints": kept}
 
     def write(self, trainer) -> None:
