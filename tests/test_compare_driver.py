@@ -229,3 +229,7 @@ def test_heads_without_a_validation_tau_do_not_stop_the_summary(tmp_path, capsys
         {"validations": [{"step": 1, "tokens_seen": 100, "metrics": {"loss": 2.0, "sim_tau": 1.2}}]}))
     assert driver.plot_val_curves(["adadecode"]) == tmp_path / "val_curves.png"
     assert "[done] validation τ curves of adadecode" in capsys.readouterr().out
+    driver.summarize(["adadecode"])  # trained, not evaluated yet: said, and no summary of nothing
+    printed = capsys.readouterr().out
+    assert "[skip] summary: adadecode has no evaluation report yet" in printed and "no evaluated head" in printed
+    assert not (tmp_path / "summary.md").exists()
