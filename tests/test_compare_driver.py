@@ -216,7 +216,10 @@ def test_record_config_dry_run(tmp_path, capsys):
 def test_heads_without_a_validation_tau_do_not_stop_the_summary(tmp_path, capsys):
     """AdaDecode is monitored by its loss: a comparison of such heads alone has no τ curve to draw,
     which is said ([skip]) and must not raise before summary.md is written."""
-    cfg = compare.load_config(ROOT / "configs" / "compare.yaml", [f"output_dir={tmp_path}", "heads_to_run=[adadecode]"])
+    mt = tmp_path / "mt.jsonl"  # the config's MT-bench path lies outside the repository
+    mt.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Hi.", "More."]}) + "\n")
+    cfg = compare.load_config(ROOT / "configs" / "compare.yaml",
+                              [f"output_dir={tmp_path}", "heads_to_run=[adadecode]", f"eval.prompts={mt}"])
     driver = compare.Driver(cfg)
     run = driver.run_dir("adadecode")
     run.mkdir(parents=True)
