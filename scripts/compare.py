@@ -407,12 +407,13 @@ class Driver:
         from evaluation.summary import combine, summary_markdown
 
         groups = {n: g for g in self.eval_groups(names) for n in g}
+        quality = {n: self.report_dir(n, "quality", groups[n]) for n in names}
         if not self.dry_run:  # a head not evaluated yet (stages=[train, summary]) is named, not a crash
-            missing = [n for n in names if not (self.report_dir(n, "quality", groups[n]) / "report.json").is_file()]
+            missing = [n for n in names if not (quality[n] / "report.json").is_file()]
             for n in missing:
-                print(f"[skip] summary: {n} has no evaluation report yet ({self.report_dir(n, 'quality', groups[n])})")
+                print(f"[skip] summary: {n} has no evaluation report yet ({quality[n]})")
             names = [n for n in names if n not in missing]
-        entries = [(n, self.report_dir(n, "quality", groups[n]), self.report_dir(n, "timing", groups[n])) for n in names]
+        entries = [(n, quality[n], self.report_dir(n, "timing", groups[n])) for n in names]
         print(f"[run ] summary of {', '.join(names) or 'no evaluated head'} -> {self.out / 'summary.md'}")
         if self.dry_run or not names:
             return

@@ -170,6 +170,10 @@ class ValidationSchedule(Callback):
             trainer.val_check_batch = loop.total_batch_idx + 1 if due else NEVER
 
     # -- recording ---------------------------------------------------------------------------
+    def _seconds(self) -> float | None:
+        """``train_seconds`` as recorded: rounded to the millisecond, None when unknown."""
+        return None if self.train_seconds is None else round(self.train_seconds, 3)
+
     def on_validation_end(self, trainer, pl_module) -> None:
         """Record this validation (before ``RunCheckpoint`` saves: Lightning runs checkpoint callbacks last,
         so the checkpoint of this step holds it) and advance the schedule past it."""
@@ -178,7 +182,7 @@ class ValidationSchedule(Callback):
         step = int(trainer.global_step)
         values = dict(getattr(pl_module, "validation_results", {}) or {})
         entry = {"step": step, "epoch": int(trainer.current_epoch), "tokens_seen": int(self.tokens_seen),
-                 "train_seconds": None if self.train_seconds is None else round(self.train_seconds, 3),
+                 "train_seconds": self._seconds(),
                  "metrics": {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None)
                              for k, v in sorted(values.items())}}
         self.validations = [v for v in self.validations if v["step"] != step] + [entry]
@@ -202,7 +206,7 @@ class ValidationSchedule(Callback):
                 "val_schedule": {"kind": self.kind, "every_n_steps": self.every_n_steps,
                                  **({"first_tokens": self.first_tokens, "factor": self.factor} if self.kind == "log" else {})},
                 "tokens_seen": int(self.tokens_seen),
-                "train_seconds": None if self.train_seconds is None else round(self.train_seconds, 3),
+                "train_seconds": self._seconds(),
                 "validations": list(self.validations),
                 "best": best, "checkpoints": kept}
 
@@ -218,24 +222,42 @@ class ValidationSchedule(Callback):
             plot_curve(record, self.run_dir / PLOT, title=self.run_dir.name)
 
 
-def plot_curve(record: dict[str, Any], path: str | os.PathLike, title: str = "") -> Path:
-    """Validation τ (or the record's monitor) and loss against tokens seen (log x axis), the best
-    validation starred; written atomically as a PNG."""
-    import io
-
+def _tokens_axes():
+    """A 6.4 x 4 in figure (Agg canvas) and its axes, x = tokens seen on a log scale."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
+
+    fig = Figure(figsize=(6.4, 4.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("tokens seen")
+    return fig, ax
+
+
+def _write_png(fig, path: str | os.PathLike) -> None:
+    """Lay ``fig`` out and write it to ``path`` as a PNG, atomically."""
+    import io
 
     from core.io import atomic_write_bytes
 
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def plot_curve(record: dict[str, Any], path: str | os.PathLike, title: str = "") -> Path:
+    """Validation τ (or the record's monitor) and loss against tokens seen (log x axis), the best
+    validation starred; written atomically as a PNG."""
     vals = record["validations"]
     monitor = str(record.get("monitor", "val/sim_tau"))
     name = monitor[4:] if monitor.startswith("val/") else monitor
     shown = "sim_tau" if any(v["metrics"].get("sim_tau") is not None for v in vals) else name
     x = [max(1, int(v["tokens_seen"])) for v in vals]
-    fig = Figure(figsize=(6.4, 4.0), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    fig, ax = _tokens_axes()
     ys = [v["metrics"].get(shown) for v in vals]
     label = "validation τ (simulated, incl. bonus)" if shown == "sim_tau" else f"val/{shown}"
     ax.plot(x, [float("nan") if y is None else y for y in ys], "o-", color="tab:blue", label=label)
@@ -243,11 +265,6 @@ def plot_curve(record: dict[str, Any], path: str | os.PathLike, title: str = "")
     if best is not None and best["metrics"].get(shown) is not None:
         ax.plot([max(1, best["tokens_seen"])], [best["metrics"][shown]], "*", color="tab:red", markersize=14,
                 label=f"best/ (step {best['step']})")
-    ax.set_xscale("log")
-    from matplotlib.ticker import NullFormatter
-
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("tokens seen")
     ax.set_ylabel(label, color="tab:blue")
     if shown != "loss" and any(v["metrics"].get("loss") is not None for v in vals):
         ax2 = ax.twinx()
@@ -257,10 +274,7 @@ def plot_curve(record: dict[str, Any], path: str | os.PathLike, title: str = "")
         ax2.ticklabel_format(axis="y", useOffset=False)
     ax.legend(loc="best", fontsize=8)
     ax.set_title(f"{title}: validation against tokens seen" if title else "validation against tokens seen", fontsize=10)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    atomic_write_bytes(path, buf.getvalue())
+    _write_png(fig, path)
     return Path(path)
 
 
@@ -279,36 +293,20 @@ def plot_curves(records: dict[str, dict[str, Any]], path: str | os.PathLike, tit
     Raises:
         ValueError: no record has a ``sim_tau`` validation.
     """
-    import io
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import NullFormatter
-
-    from core.io import atomic_write_bytes
-
     shown = {name: [v for v in r.get("validations", []) if v["metrics"].get("sim_tau") is not None]
              for name, r in records.items()}
     shown = {name: vals for name, vals in shown.items() if vals}
     if not shown:
         raise ValueError(f"no validation τ (val/sim_tau) in the records of {sorted(records)}")
-    fig = Figure(figsize=(6.4, 4.0), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    fig, ax = _tokens_axes()
     for name, vals in shown.items():
         (line,) = ax.plot([max(1, int(v["tokens_seen"])) for v in vals], [v["metrics"]["sim_tau"] for v in vals],
                           "o-", markersize=4, label=name)
         best = best_validation(vals, "val/sim_tau", "max")
         ax.plot([max(1, best["tokens_seen"])], [best["metrics"]["sim_tau"]], "*", color=line.get_color(),
                 markersize=12)
-    ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("tokens seen")
     ax.set_ylabel("validation τ (simulated, incl. bonus)")
     ax.legend(loc="best", fontsize=8, title="★ = best/", title_fontsize=8)
     ax.set_title(title or "validation τ against tokens seen", fontsize=10)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    atomic_write_bytes(path, buf.getvalue())
+    _write_png(fig, path)
     return list(shown)
