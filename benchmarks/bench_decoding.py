@@ -14,13 +14,16 @@ What it measures (all greedy, batch size 1, same prompts, same process, interlea
   ``--context-tokens`` cached tokens (the measurement ``eval.tree=auto`` caches per base, device,
   dtype and threads), with its key and c(n)/c(1); ``--cost-only`` measures just this, in every
   dtype of ``--dtypes`` (issue 26's fp32 against bf16 table: the dtypes interleaved round by round
-  on one copy of the weights each, best median per n kept, so load hits both alike).
+  on one copy of the weights each, best median per n kept, so load hits both alike);
+  ``--dtypes float32,float32:prepacked`` compares ``F.linear`` with oneDNN-prepacked weights
+  (:mod:`decoding.prepacked`, what ``eval.prepack_weights=auto`` does to an fp32 base).
 
 Outputs must equal vanilla on every prompt (checked; a mismatch exits 1).
 
     .venv/bin/python benchmarks/bench_decoding.py --num-prompts 4 --max-new-tokens 64 \
         --prompts ../shared/data/mt_bench_questions.jsonl --out runs/bench_decoding.json
     .venv/bin/python benchmarks/bench_decoding.py --cost-only --dtypes float32,bfloat16 --threads 2
+    .venv/bin/python benchmarks/bench_decoding.py --cost-only --dtypes float32,float32:prepacked --threads 2
 """
 from __future__ import annotations
 
@@ -64,7 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context-tokens", type=int, default=256, help="cached tokens before the tree in c(n)")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per tree size (median)")
     ap.add_argument("--cost-only", action="store_true", help="measure and print only the cost model c(n)")
-    ap.add_argument("--dtypes", default="float32", help="with --cost-only: comma-separated dtypes, interleaved")
+    ap.add_argument("--dtypes", default="float32",
+                    help="with --cost-only: comma-separated dtypes, interleaved; <dtype>:prepacked = with the linear "
+                         "weights prepacked for oneDNN (decoding/prepacked.py)")
     ap.add_argument("--rounds", type=int, default=2, help="with --cost-only: interleaved rounds per dtype (best kept)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="c(n) clock: wall (what a run pays) | cpu (process CPU time; robust to a loaded machine at 1 thread)")
@@ -126,8 +131,18 @@ def cost_table(model, ident, sizes, args) -> dict:
     rounds of :func:`tree_forward_ms` alternating the dtypes; per dtype and n the lowest median."""
     import copy
 
+    from decoding.prepacked import prepack_linear_weights
+
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    models = {d: (model if d == "float32" else copy.deepcopy(model).to(getattr(torch, d))) for d in dtypes}
+    models = {}
+    for d in dtypes:  # "<dtype>" or "<dtype>:prepacked" (decoding/prepacked.py: oneDNN-reordered weights)
+        name, _, variant = d.partition(":")
+        if variant not in ("", "prepacked"):
+            raise SystemExit(f"--dtypes entry {d!r}: expected <dtype> or <dtype>:prepacked")
+        m = model if d == "float32" else copy.deepcopy(model).to(getattr(torch, name))
+        if variant and not prepack_linear_weights(m, dtypes=(m.dtype,)):
+            raise SystemExit(f"--dtypes entry {d!r}: this torch build cannot prepack linear weights")
+        models[d] = m
     best: dict[str, dict[int, float]] = {d: {} for d in dtypes}
     for _ in range(max(int(args.rounds), 1)):
         for d, m in models.items():

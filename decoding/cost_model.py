@@ -150,7 +150,8 @@ def measure_verify_ms(model, sizes: Sequence[int], context_tokens: int = 256, re
 
 def cost_key(identity, model, sizes: Sequence[int], context_tokens: int, repeats: int) -> dict[str, Any]:
     """What a measurement depends on: base identity, device, dtype, intra-op threads, OpenMP's wait
-    policy, grid, context.
+    policy, grid, context, and (key present only then) the ``min_rows`` of prepacked linear weights
+    (:mod:`decoding.prepacked`: a packed base verifies faster, so its c(n) is its own).
 
     ``omp_wait_policy`` is ``$OMP_WAIT_POLICY`` upper-cased (None when unset): with ``PASSIVE`` a
     2-thread verification forward measured 2.2x slower on this project's 2-core CPU (c(1) 133 against
@@ -162,10 +163,15 @@ def cost_key(identity, model, sizes: Sequence[int], context_tokens: int, repeats
     device = str(dev)
     if dev.type == "cuda":
         device += f" ({torch.cuda.get_device_name(dev)})"
-    return {"base": ident, "device": device, "dtype": str(model.dtype).replace("torch.", ""),
-            "threads": int(torch.get_num_threads()), "omp_wait_policy": omp_wait_policy(),
-            "sizes": [int(n) for n in sizes],
-            "context_tokens": int(context_tokens), "repeats": int(repeats), "torch": torch.__version__}
+    key = {"base": ident, "device": device, "dtype": str(model.dtype).replace("torch.", ""),
+           "threads": int(torch.get_num_threads()), "omp_wait_policy": omp_wait_policy(),
+           "sizes": [int(n) for n in sizes],
+           "context_tokens": int(context_tokens), "repeats": int(repeats), "torch": torch.__version__}
+    from decoding.prepacked import prepacked_min_rows
+
+    if (rows := prepacked_min_rows(model)) is not None:  # present only when packed: older files stay valid
+        key["prepacked_min_rows"] = rows
+    return key
 
 
 def omp_wait_policy() -> str | None:

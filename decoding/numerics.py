@@ -115,6 +115,11 @@ def pad_one_row_products(model: torch.nn.Module, dtypes=PAD_DTYPES) -> list[str]
     return padded
 
 
+def is_one_row_padded(module: torch.nn.Module) -> bool:
+    """Whether :func:`pad_one_row_products` gave ``module`` its two-row one-token ``forward``."""
+    return bool(getattr(module, _PADDED, False))
+
+
 def restore_one_row_products(model: torch.nn.Module) -> None:
     """Undo :func:`pad_one_row_products` on ``model``."""
     for mod in model.modules():

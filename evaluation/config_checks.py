@@ -41,7 +41,9 @@ def _eval_checks(cfg: DictConfig) -> None:
     check_range(cfg, "eval.reference_width", 1, None)
     check_choice(cfg, "eval.dtype", DTYPES)
     fv = cfg.eval.get("fastest_vanilla", "auto")
-    if not (fv in ("auto", "off") or (isinstance(fv, ListConfig) and not check_fastest_vanilla_entries(fv))):
+    # `eval.fastest_vanilla=off` on a command line arrives as False (YAML 1.1 reads off as a boolean)
+    if not (fv in ("auto", "off") or fv is False
+            or (isinstance(fv, ListConfig) and not check_fastest_vanilla_entries(fv))):
         raise ConfigError(f"eval.fastest_vanilla={fv!r} must be auto, off or a list of dtypes ({', '.join(DTYPES)}), "
                           "each optionally :eager or :sdpa (float32:sdpa)")
     check_device(cfg.eval.get("device"))

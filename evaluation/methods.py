@@ -113,6 +113,38 @@ def row_consistent_products(model, ev) -> list[str]:
     return pad_one_row_products(model)
 
 
+def prepacked_products(model, ev) -> list[str]:
+    """``eval.prepack_weights`` (default ``auto``): on an fp32 base on a CPU, every linear layer keeps a
+    copy of its weight reordered once for oneDNN, which products of >= 3 rows (verification, prefill)
+    use; one-token steps keep their kernel, so vanilla decoding is untouched
+    (:func:`decoding.prepacked.prepack_linear_weights`; docs/precision.md "Prepacked verification
+    weights").  Applies to ``model`` itself.  ``true`` requires it (fp32 on a CPU with oneDNN),
+    ``false`` turns it off.
+
+    Returns:
+        The packed layers' names ([] when off or not applicable).
+
+    Raises:
+        ValueError: ``eval.prepack_weights`` is not auto/true/false, or is true where it cannot apply.
+    """
+    from decoding.prepacked import PACK_DTYPES, available, prepack_linear_weights
+    from decoding.verify import model_device
+
+    mode = ev.get("prepack_weights", "auto")
+    mode = {True: "true", False: "false", None: "false"}.get(mode, str(mode).lower())
+    if mode not in ("auto", "true", "false"):
+        raise ValueError(f"eval.prepack_weights={ev.get('prepack_weights')!r}: use auto, true or false")
+    if mode == "false":
+        return []
+    applies = model_device(model).type == "cpu" and model.dtype in PACK_DTYPES and available()
+    if not applies:
+        if mode == "true":
+            raise ValueError(f"eval.prepack_weights=true needs an fp32 base on a CPU with oneDNN; this base is "
+                             f"{_dtype_name(model.dtype)} on {model_device(model)} (oneDNN: {available()})")
+        return []
+    return prepack_linear_weights(model)
+
+
 def _dtype_name(dtype) -> str | None:
     return None if dtype is None else str(dtype).replace("torch.", "")
 
@@ -155,7 +187,7 @@ _NAME_OK = re.compile(r"[^A-Za-z0-9._=,+-]+")
 SHARED_EVAL_KEYS = frozenset({"variants", "prompts", "prompt_field", "num_prompts", "prompt_offset", "max_new_tokens",
                               "max_prompt_tokens", "dtype", "device", "threads", "plan_threads", "warmup",
                               "output_dir", "fail_on_mismatch", "temperature", "allow_other_base", "turns", "repeats",
-                              "prompts_per_category", "row_consistent"})
+                              "prompts_per_category", "row_consistent", "prepack_weights"})
 
 
 def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:

@@ -32,7 +32,8 @@ from decoding.cost_model import omp_wait_policy
 from decoding.vanilla import check_context_limit, eos_token_ids, greedy_generate, sample_generate
 from evaluation.divergence import Accountant, add_accounting, failing_ids
 from evaluation.fastest_vanilla import build_references, fastest, reference_labels
-from evaluation.methods import build_decoder, checkpoint_label, resolve_device, row_consistent_products, variant_configs
+from evaluation.methods import (build_decoder, checkpoint_label, prepacked_products, resolve_device,
+                                row_consistent_products, variant_configs)
 from evaluation.plots import plot
 from evaluation.progress import Progress, absolute_paths, progress_fingerprint, prompt_digest
 from evaluation.probe import ProbeTallies
@@ -206,6 +207,7 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     model, tokenizer, identity = base
     model.to(device)
     row_padded = row_consistent_products(model, ev)  # bf16 on a CPU: one-token steps round as verification does
+    prepacked = prepacked_products(model, ev)  # fp32 on a CPU: many-row products without per-call weight packing
     eos_ids = eos_token_ids(tokenizer, model)
     methods = []  # (name, cfg, decoder, info)
     if decoder is not None:
@@ -250,6 +252,7 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     phases = plan_phases(methods, time.perf_counter() - t_plan)
     for m in methods:
         m[3]["row_consistent_layers"] = len(row_padded)
+        m[3]["prepacked_layers"] = len(prepacked)
     # eval.tree chose the root alone: the head is also decoded at a small probe tree (evaluation.probe)
     probe_owners = [j for j, m in enumerate(methods) if "probe_decoder" in m[3]]
     decoders = [m[2] for m in methods] + [methods[j][3].pop("probe_decoder") for j in probe_owners]

@@ -488,8 +488,10 @@ def _acceptance_and_cost(cost: CostModel, setup, head, head_type: str, info, ev,
            "device": cost.key["device"], "dtype": cost.key["dtype"]}
     path = root / "calibration" / f"{head_type}-{sha256_json(key)[:16]}.json"
     partial = path.with_name(path.stem + ".partial.json")
-    # drafter costs per thread count (and OpenMP wait policy, when set: cost_key)
+    # drafter costs per thread count (and OpenMP wait policy and prepacked weights, when set: cost_key)
     threads = str(cost.key["threads"]) + (f"/{cost.key['omp_wait_policy']}" if cost.key.get("omp_wait_policy") else "")
+    if cost.key.get("prepacked_min_rows"):  # a drafter that runs the base's layers over several rows is faster too
+        threads += f"/prepacked{cost.key['prepacked_min_rows']}"
     stats, costs, saved, cached = None, {}, None, False
     if path.is_file():
         try:

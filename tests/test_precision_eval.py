@@ -413,6 +413,13 @@ def test_fastest_vanilla_entries_name_dtype_and_attention():
         "float32", "bfloat16 (native one-row kernels)", "bfloat16 (sdpa attention)", "float32 (sdpa attention)"]
     assert reference_labels(ev("auto"), Base(torch.bfloat16, "sdpa"), "cpu", []) == ["float32"]
     assert reference_labels(ev("off"), eager32, "cpu", []) == []
+    # `eval.fastest_vanilla=off` typed on a command line: YAML reads off as False; it means off, not an error
+    from core.config import compose, validate
+
+    cli = compose(rewrite_argv(["eval.fastest_vanilla=off"]))
+    assert cli.eval.fastest_vanilla is False
+    validate(cli)
+    assert reference_labels(cli.eval, eager32, "cpu", []) == []
     # the evaluation's own vanilla however it is spelt: its native one-row kernels are the other vanilla
     eager16 = Base(torch.bfloat16, "eager")
     for spelt in (["bfloat16"], ["bfloat16:eager"]):

@@ -329,6 +329,11 @@ def test_plan_threads_sizes_a_one_thread_run_for_the_timing_threads(tiny_base, t
     assert trees["one"]["chosen"]["nodes"] < trees["two"]["chosen"]["nodes"]
     cal = json.loads(open(trees["one"]["statistics"]["path"]).read())
     sfx = f"/{cost_model.omp_wait_policy()}" if cost_model.omp_wait_policy() else ""  # PASSIVE in the suite
+    from decoding import prepacked  # eval.prepack_weights=auto packs this fp32 CPU base: its drafter costs are its own
+
+    assert trees["one"]["cost_model"]["key"].get("prepacked_min_rows") == (
+        prepacked.MIN_ROWS if prepacked.available() else None)
+    sfx += f"/prepacked{prepacked.MIN_ROWS}" if prepacked.available() else ""
     assert set(cal["drafter_cost"]) == {f"1{sfx}", f"2{sfx}"} and "threads" not in cal["key"]
     assert cal["drafter_cost"][f"1{sfx}"]["prompts"] == 3 and cal["drafter_cost"][f"1{sfx}"]["passes"] > 0
 

@@ -1,0 +1,158 @@
+"""Verification's many-row linear products with weights reordered once for oneDNN.
+
+A verification forward of an n-node tree runs every linear layer of the base over n rows; a vanilla
+step runs them over one.  On this project's CPU (torch 2.13, fp32, MKL) ``F.linear`` over M >= 3
+rows runs a blocked GEMM that reorders ("packs") the whole weight matrix on every call; over M <= 2
+rows it runs a matrix-vector kernel that reads the weights as they are.  The repacking is paid once
+per layer per forward: for SmolLM2-135M it is most of what makes a 9-node verification cost 1.8x a
+one-token step (c(n), docs/precision.md), although the step is memory-bound and the extra rows are
+nearly free arithmetic.
+
+:func:`prepack_linear_weights` reorders each fp32 ``nn.Linear`` weight of a CPU model once into
+oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the call Inductor's CPU
+freezing makes) and gives the layer a ``forward`` that computes inputs of at least ``min_rows`` rows
+with it (``torch.ops.mkldnn._linear_pointwise``) and every smaller input with ``F.linear`` on the
+original weights.  So a one-token step (vanilla decoding, the speculative root) runs exactly the
+kernel it ran before, bit for bit, and only verification and prefill change kernel.  Measured on
+SmolLM2-135M fp32, 2 threads, 256 cached tokens (``benchmarks/bench_decoding.py --cost-only``):
+see docs/precision.md "Prepacked verification weights".
+
+Numerics: a packed product rounds differently from ``F.linear`` over the same rows (|Δ logit| up to
+~6e-5 on SmolLM2, against ~2e-5 between ``F.linear``'s one-row and many-row kernels, which fp32
+verification already lives with).  Losslessness is judged where it always is: fp32 parity of the
+evaluation's tokens against vanilla greedy decoding.
+
+Only fp32 layers are packed (:data:`PACK_DTYPES`): bf16 / fp16 verification must keep the kernel of
+:func:`decoding.numerics.pad_one_row_products` (the one-token step computed as two rows of the same
+``F.linear``), which a packed many-row product would no longer match.  Products that need
+gradients run ``F.linear``; a weight changed after packing (or a deep-copied module) is repacked at
+its next many-row product.
+"""
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+import torch.nn.functional as F
+
+from decoding.numerics import is_one_row_padded
+
+log = logging.getLogger(__name__)
+
+#: weight dtypes that are packed (bf16 / fp16 keep decoding.numerics' row-consistent kernels)
+PACK_DTYPES = (torch.float32,)
+#: inputs of at least this many rows use the packed weights: M <= 2 runs MKL's matrix-vector kernel,
+#: which packing does not speed up (measured: the packed one-token step was not faster)
+MIN_ROWS = 3
+
+_PACKED = "_draftheads_prepacked"
+
+
+def available() -> bool:
+    """Whether this torch build can reorder linear weights for oneDNN (CPU builds with mkldnn)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _weight_stamp(w: torch.Tensor) -> tuple[int, int]:
+    return w.data_ptr(), w._version
+
+
+class _PackState:
+    """A layer's packed weight, the row threshold, the weight stamp it was packed from, the dtypes
+    that may be packed.  A deep copy of the module (``copy.deepcopy``: oneDNN tensors have no storage
+    to copy) carries no packed weight; the copy repacks its own weight at its first many-row product."""
+
+    __slots__ = ("packed", "min_rows", "stamp", "dtypes")
+
+    def __init__(self, packed, min_rows: int, stamp, dtypes) -> None:
+        self.packed, self.min_rows, self.stamp, self.dtypes = packed, min_rows, stamp, tuple(dtypes)
+
+    def __deepcopy__(self, memo) -> "_PackState":
+        return _PackState(None, self.min_rows, None, self.dtypes)
+
+    def repack(self, weight: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.stamp = _weight_stamp(weight)
+
+
+def _prepacked_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward``: rows >= the layer's ``min_rows`` through the packed weight, else ``F.linear``.
+
+    A weight changed since packing (in place, replaced, or the module deep-copied) is repacked here,
+    once; a weight no longer in the packed dtypes (``module.to(bfloat16)``) or off the CPU, and
+    products that need gradients, run ``F.linear``."""
+    state: _PackState = getattr(self, _PACKED)
+    w = self.weight
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (rows < state.min_rows or x.dtype != w.dtype or w.dtype not in state.dtypes or w.device.type != "cpu"
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        return F.linear(x, w, self.bias)
+    if state.stamp != _weight_stamp(w):
+        state.repack(w)
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), state.packed, self.bias,
+                                           "none", [], "")
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def prepack_linear_weights(model: torch.nn.Module, min_rows: int = MIN_ROWS, dtypes=PACK_DTYPES) -> list[str]:
+    """Reorder ``model``'s fp32 CPU linear weights once for oneDNN; many-row products then use them.
+
+    Args:
+        model: any ``nn.Module`` (the frozen base).  Its ``nn.Linear`` layers with a weight in
+            ``dtypes`` on a CPU get an instance ``forward`` (:func:`_prepacked_forward`); the original
+            weights stay (one-token steps, gradients).  Memory: one more copy of those weights.
+        min_rows: inputs of at least this many rows (all leading dims flattened) use the packed
+            weight; must be >= 2 (a one-row product keeps its kernel: vanilla is untouched).
+        dtypes: weight dtypes to pack.
+
+    Returns:
+        The packed layers' module names; empty when this build has no oneDNN (:func:`available`).
+        Idempotent; :func:`restore_linear_weights` undoes it.
+
+    Raises:
+        ValueError: ``min_rows`` < 2.
+    """
+    if int(min_rows) < 2:
+        raise ValueError(f"min_rows={min_rows}: must be >= 2 (one-row products keep F.linear's kernel)")
+    if not available():
+        log.info("this torch build has no oneDNN linear-weight reorder: verification weights are not prepacked")
+        return []
+    packed = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        w = mod.weight
+        if w.dtype not in dtypes or w.device.type != "cpu" or is_one_row_padded(mod):
+            continue
+        state = getattr(mod, _PACKED, None)
+        if state is None or state.min_rows != int(min_rows) or state.dtypes != tuple(dtypes):
+            state = _PackState(None, int(min_rows), None, dtypes)
+            setattr(mod, _PACKED, state)
+            mod.forward = types.MethodType(_prepacked_forward, mod)
+        if state.stamp != _weight_stamp(w):
+            state.repack(w)
+        packed.append(name)
+    if packed:
+        log.info("%d linear layer(s) compute inputs of >= %d rows with oneDNN-prepacked weights "
+                 "(decoding.prepacked)", len(packed), int(min_rows))
+    return packed
+
+
+def restore_linear_weights(model: torch.nn.Module) -> None:
+    """Undo :func:`prepack_linear_weights` on ``model`` (drops the packed copies)."""
+    for mod in model.modules():
+        if getattr(mod, _PACKED, None) is not None:
+            del mod.forward
+            delattr(mod, _PACKED)
+
+
+def prepacked_min_rows(model: torch.nn.Module) -> int | None:
+    """The ``min_rows`` of ``model``'s prepacked layers, or None when none is packed (a cost-model key)."""
+    for mod in model.modules():
+        state = getattr(mod, _PACKED, None)
+        if state is not None:
+            return int(state.min_rows)
+    return None

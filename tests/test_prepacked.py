@@ -1,0 +1,156 @@
+"""Prepacked verification weights (decoding/prepacked.py) on the tiny Llama: one-token steps keep
+their kernel bit for bit, many-row products agree with ``F.linear`` to fp32 rounding, speculative
+output still equals vanilla greedy, stale weights and gradients fall back, bf16 is left alone, and
+the evaluation's switch and the c(n) cache key see it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.config import compose
+from core.tiny import tiny_llama
+from decoding import prepacked
+from decoding.cost_model import cost_key
+from decoding.numerics import pad_one_row_products, restore_one_row_products
+from decoding.reference import OracleDrafter
+from decoding.speculative import SpeculativeDecoder
+from decoding.tree import DraftTree
+from decoding.vanilla import greedy_generate
+from decoding.verify import crop_cache, prefill, verify_tree
+from evaluation.__main__ import rewrite_argv
+from evaluation.methods import prepacked_products
+
+pytestmark = pytest.mark.skipif(not prepacked.available(), reason="this torch build has no oneDNN weight reorder")
+V = 384
+
+
+@pytest.fixture()
+def model():
+    return tiny_llama(seed=0, attn_implementation="eager", initializer_range=0.3)
+
+
+def _prompt(seed: int, n: int = 11) -> torch.Tensor:
+    return torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _linears(m):
+    return [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
+
+
+def test_one_row_bitwise_many_rows_close_and_packed_kernel_used(model):
+    names = prepacked.prepack_linear_weights(model)
+    assert len(names) == len(_linears(model)) and prepacked.prepacked_min_rows(model) == prepacked.MIN_ROWS
+    gen = torch.Generator().manual_seed(0)
+    for lin in _linears(model):
+        for rows, shape in [(1, (1, 1)), (2, (1, 2)), (3, (1, 3)), (9, (1, 9)), (12, (3, 4))]:
+            x = torch.randn(*shape, lin.in_features, generator=gen)
+            got, ref = lin(x), F.linear(x, lin.weight, lin.bias)
+            assert got.shape == ref.shape
+            if rows < prepacked.MIN_ROWS:
+                assert torch.equal(got, ref), (rows, lin)  # vanilla's one-token step: the same kernel
+            else:
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # the packed path is really taken: a planted packed weight changes the many-row output only
+    lin = _linears(model)[0]
+    state = getattr(lin, prepacked._PACKED)
+    real = state.packed
+    state.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(lin.weight))
+    x = torch.randn(4, lin.in_features, generator=gen)
+    assert torch.count_nonzero(lin(x)) == 0 and torch.count_nonzero(lin(x[:1])) > 0
+    state.packed = real
+
+
+def test_vanilla_tokens_unchanged_and_speculative_equals_vanilla(model):
+    refs = [greedy_generate(model, _prompt(s), 24)[0] for s in range(3)]
+    prepacked.prepack_linear_weights(model)
+    for s, ref in enumerate(refs):
+        assert greedy_generate(model, _prompt(s), 24)[0] == ref
+        for depth, width, miss in [(4, 1, 0.0), (4, 3, 0.35)]:
+            out, stats = SpeculativeDecoder(model, OracleDrafter(model, depth, width, True, miss, seed=s)).generate(
+                _prompt(s), 24)
+            assert out == ref and stats["base_forwards"] < 24
+
+
+def test_tree_logits_match_unpacked_verification(model):
+    cache, root, _ = prefill(model, _prompt(5, 40))
+    past = cache.get_seq_length()
+    rng = torch.Generator().manual_seed(1)
+    tree = DraftTree.from_paths(root, [torch.randint(0, V, (3,), generator=rng).tolist() for _ in range(6)])
+    ref = verify_tree(model, cache, tree).logits
+    crop_cache(cache, past)
+    prepacked.prepack_linear_weights(model)
+    got = verify_tree(model, cache, tree).logits
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert cache.get_seq_length() > past
+
+
+def test_changed_weights_repack_copies_work_gradients_fall_back_and_restore(model):
+    import copy
+
+    prepacked.prepack_linear_weights(model)
+    lin = _linears(model)[0]
+    x = torch.randn(5, lin.in_features)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # changed after packing: the stale copy must not be used, it is repacked
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    # a deep copy (oneDNN tensors have no storage to copy) repacks its own weight; the original is untouched
+    twin = copy.deepcopy(model)
+    tlin = _linears(twin)[0]
+    with torch.no_grad():
+        tlin.weight.add_(1.0)
+    torch.testing.assert_close(tlin(x), F.linear(x, tlin.weight, tlin.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    # cast to bf16: the layer is no longer packable and runs F.linear (bit for bit)
+    t16 = copy.deepcopy(model).to(torch.bfloat16)
+    l16 = _linears(t16)[0]
+    assert torch.equal(l16(x.bfloat16()), F.linear(x.bfloat16(), l16.weight, l16.bias))
+    xg = x.clone().requires_grad_(True)
+    out = lin(xg)
+    out.sum().backward()  # autograd through F.linear, not the packed op
+    torch.testing.assert_close(xg.grad, lin.weight.sum(0).expand_as(x))
+    prepacked.restore_linear_weights(model)
+    assert prepacked.prepacked_min_rows(model) is None and "forward" not in lin.__dict__
+
+
+def test_bf16_and_min_rows_are_refused_or_left_alone(model):
+    with pytest.raises(ValueError, match="min_rows"):
+        prepacked.prepack_linear_weights(model, min_rows=1)
+    m16 = tiny_llama(seed=0, attn_implementation="eager").to(torch.bfloat16)
+    padded = set(pad_one_row_products(m16, dtypes=(torch.bfloat16,)))
+    assert prepacked.prepack_linear_weights(m16) == [] and prepacked.prepacked_min_rows(m16) is None
+    if not padded:  # this machine's bf16 kernels are row-consistent at the tiny shapes: plant one padded layer
+        name, lin = next((n, mod) for n, mod in m16.named_modules() if isinstance(mod, torch.nn.Linear))
+        import types
+
+        from decoding import numerics
+        lin.forward = types.MethodType(numerics._padded_forward, lin)
+        setattr(lin, numerics._PADDED, True)
+        padded = {name}
+    linears = {n for n, mod in m16.named_modules() if isinstance(mod, torch.nn.Linear)}
+    # asked to pack bf16 too, the layers padded for row consistency are still never packed
+    assert set(prepacked.prepack_linear_weights(m16, dtypes=(torch.bfloat16,))) == linears - padded
+    restore_one_row_products(m16)
+
+
+def test_eval_switch_and_cost_key(model):
+    ev = compose(rewrite_argv(["eval.prepack_weights=auto"])).eval
+    key_plain = cost_key({"base": "x"}, model, [1, 2], 16, 1)
+    assert "prepacked_min_rows" not in key_plain  # older cost files stay valid for an unpacked base
+    assert len(prepacked_products(model, ev)) == len(_linears(model))
+    assert cost_key({"base": "x"}, model, [1, 2], 16, 1)["prepacked_min_rows"] == prepacked.MIN_ROWS
+    prepacked.restore_linear_weights(model)
+    assert prepacked_products(model, compose(rewrite_argv(["eval.prepack_weights=false"])).eval) == []
+    m16 = tiny_llama(seed=0).to(torch.bfloat16)
+    assert prepacked_products(m16, ev) == []  # auto: bf16 keeps its row-consistent kernels
+    with pytest.raises(ValueError, match="prepack_weights=true needs an fp32 base"):
+        prepacked_products(m16, compose(rewrite_argv(["eval.prepack_weights=true"])).eval)
+    with pytest.raises(ValueError, match="prepack_weights='sometimes'"):
+        prepacked_products(model, compose(rewrite_argv(["eval.prepack_weights=sometimes"])).eval)
+
+
+def test_prefill_logits_close(model):
+    ids = _prompt(3, 30)
+    ref = model(input_ids=ids[None]).logits[0]
+    prepacked.prepack_linear_weights(model)
+    torch.testing.assert_close(model(input_ids=ids[None]).logits[0], ref, rtol=1e-4, atol=1e-4)
