@@ -3,6 +3,7 @@ its cached logits equal a fresh forward, a regeneration killed mid-shard resumes
 and the summary / progress bar state the replies cut."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections import Counter
@@ -205,8 +206,14 @@ def test_batch_size_does_not_change_fp32_tokens(varied, data_file):
 
 def test_every_forward_of_the_slot_cache_equals_a_fresh_forward(varied, data_file, monkeypatch):
     """The logits after each row's fed tokens (left-padded prefills, refilled slots, turns appended
-    in place, rows moved between slots) equal a full forward of that row's tokens so far."""
+    in place, rows moved between slots) equal a full forward of that row's tokens so far.
+
+    Both are fp32 and neither is exact: they are held to a float64 forward of the same tokens, and
+    the cached logits may be off it by at most 3x (+1e-5) what a fresh fp32 forward is.  On an AMD
+    EPYC a fresh forward is itself up to 5e-5 off at logits of about 8; a stale or misplaced cache
+    entry is off by O(1)."""
     model, tok, _ = varied
+    model64 = copy.deepcopy(model).double()
     convs = _messages(data_file, 7)
     eos = _eos_emitted(model, tok, convs, 96)
     segs = _segments(tok, convs, eos, 96)
@@ -220,8 +227,11 @@ def test_every_forward_of_the_slot_cache_equals_a_fresh_forward(varied, data_fil
         logits = real(engine, slots)
         with torch.no_grad():
             for ctx, got in zip(contexts, logits):
-                ref = model(torch.tensor([ctx])).logits[0, -1]
-                torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+                ref = model(torch.tensor([ctx])).logits[0, -1].double()
+                exact = model64(torch.tensor([ctx])).logits[0, -1]
+                fresh_error = float((ref - exact).abs().max())
+                cached_error = float((got.double() - exact).abs().max())
+                assert cached_error <= 3 * fresh_error + 1e-5, (cached_error, fresh_error)
                 checked[0] += 1
         return logits
 
