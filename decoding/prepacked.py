@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 #: weight dtypes that are packed (bf16 / fp16 keep decoding.numerics' row-consistent kernels)
 PACK_DTYPES = (torch.float32,)
 #: inputs of at least this many rows use the packed weights: M <= 2 runs MKL's matrix-vector kernel,
-#: which packing does not speed up (measured: the packed one-token step was not faster)
+#: which packing did not speed up on the Intel machine (the packed one-token step was not faster).
+#: On the AMD EPYC MKL's M = 2 kernel is slow (c(2) 1.68x c(1), docs/precision.md), but there bf16 is
+#: the dtype to decode in, and bf16 is not packed
 MIN_ROWS = 3
 
 _PACKED = "_draftheads_prepacked"

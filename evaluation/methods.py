@@ -129,10 +129,10 @@ def prepacked_products(model, ev) -> list[str]:
     """
     from decoding.prepacked import PACK_DTYPES, available, prepack_linear_weights
     from decoding.verify import model_device
+    from evaluation.config_checks import prepack_mode
 
-    mode = ev.get("prepack_weights", "auto")
-    mode = {True: "true", False: "false", None: "false"}.get(mode, str(mode).lower())
-    if mode not in ("auto", "true", "false"):
+    mode = prepack_mode(ev.get("prepack_weights", "auto"))
+    if mode is None:
         raise ValueError(f"eval.prepack_weights={ev.get('prepack_weights')!r}: use auto, true or false")
     if mode == "false":
         return []

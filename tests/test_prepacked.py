@@ -147,6 +147,13 @@ def test_eval_switch_and_cost_key(model):
         prepacked_products(m16, compose(rewrite_argv(["eval.prepack_weights=true"])).eval)
     with pytest.raises(ValueError, match="prepack_weights='sometimes'"):
         prepacked_products(model, compose(rewrite_argv(["eval.prepack_weights=sometimes"])).eval)
+    # the entry point refuses the value with the other eval keys, before the base is loaded
+    from core.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="prepack_weights='sometimes'"):
+        validate(compose(rewrite_argv(["eval.prepack_weights=sometimes"])))
+    for ok in ("auto", "true", "false"):
+        validate(compose(rewrite_argv([f"eval.prepack_weights={ok}"])))
 
 
 def test_prefill_logits_close(model):
