@@ -108,6 +108,31 @@ def test_storage_dtype_overflow_is_its_own_reason():
         assert pipeline.non_finite_reason(rec, dt) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_labels_equal_argmax_and_isfinite_with_ties_and_non_finite_rows(dtype):
+    """data_prep.features.greedy_labels (max + amin) against the brute force it replaces
+    (argmax, isfinite().all()) on rows built to break it: ties (first id wins, also across a
+    whole 49,152-wide row of equal values), NaN, +inf, -inf, a +inf tie, and random rows."""
+    from data_prep.features import greedy_labels
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(16, 49152, generator=g).to(dtype)
+    z[0] = 0.0                                          # every id ties: label 0
+    z[1, 5], z[1, 40000] = 50.0, 50.0                   # a tie far apart: label 5
+    z[2, 30000:30002] = 60.0                            # adjacent tie
+    z[3, 123] = float("nan")
+    z[4, 7] = float("inf")
+    z[5, 49151] = float("-inf")                         # the last id: seen only by the minimum
+    z[6, 9], z[6, 10] = float("inf"), float("inf")
+    z[7, 0] = float("-inf")
+    z[7, 3] = 70.0
+    labels, finite = greedy_labels(z)
+    assert torch.equal(labels, z.argmax(-1))
+    assert torch.equal(finite, torch.isfinite(z).all(-1))
+    assert labels[:3].tolist() == [0, 5, 30000] and labels[6] == 9 and labels[7] == 3
+    assert finite.tolist() == [True] * 3 + [False] * 5 + [True] * 8
+
+
 def test_e2e_poisoned_conversation_is_counted_and_the_head_trains_and_exports_finite(tiny_base, tiny_model_dir,
                                                                                        tmp_path):
     """The base forward of one conversation yields NaN from one of its tokens on (an embedding output
