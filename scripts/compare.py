@@ -31,7 +31,8 @@ omegaconf dotlist) and runs, each stage as a subprocess of this repository's ent
 4. ``summary.md`` / ``summary.json`` in ``<output_dir>`` (:mod:`evaluation.summary`) with the
    training steps, seconds and tokens seen of each head, and ``val_curves.png``: every trained
    head's validation τ against tokens seen (:func:`train.val_schedule.plot_curves`; drawn even
-   before any evaluation has run).
+   before any evaluation has run), and ``budget.md``: each trained head's validation τ at the end
+   of its budget and at equal wall clock, per share of the machine (:mod:`train.budget`).
 
 ``stages`` (default all of prep, train, eval, summary) selects what this invocation runs.
 
@@ -402,6 +403,32 @@ class Driver:
         print(f"[done] validation τ curves of {', '.join(drawn)} -> {path}")
         return path
 
+    def budget_table(self, names: list[str]) -> Path | None:
+        """``<output_dir>/budget.md``: every trained head's validation τ at the end of its budget (equal
+        tokens under a token budget) and at equal wall clock (:mod:`train.budget`, per share of the
+        machine), from the runs' ``record.json``; None (and a ``[skip]`` line) when no run has a τ."""
+        from core.io import atomic_write_text
+        from train.budget import budget_markdown, budget_rows, load_record
+        from train.val_schedule import RECORD
+
+        if self.dry_run:
+            return None
+        records = {}
+        for n in names:
+            f = self.run_dir(n) / RECORD
+            if f.is_file():
+                r = load_record(f)
+                if any((v.get("metrics") or {}).get("sim_tau") is not None for v in r["validations"]):
+                    records[n] = r
+        if not records:
+            print("[skip] budget table: no run record with a validation τ")
+            return None
+        path = self.out / "budget.md"
+        atomic_write_text(path, "# Validation τ at equal tokens and at equal wall clock\n\n"
+                          + budget_markdown(budget_rows(records)))
+        print(f"[done] budget table of {', '.join(records)} -> {path}")
+        return path
+
     def summarize(self, names: list[str]) -> None:
         from core.io import atomic_write_text
         from evaluation.summary import combine, summary_markdown
@@ -444,6 +471,7 @@ class Driver:
                 self.evaluate(group)
         if "summary" in stages:
             self.plot_val_curves(names)
+            self.budget_table(names)
             self.summarize(names)
         if self.parity_failures:
             print(f"PARITY FAILURE in {', '.join(self.parity_failures)} (see their eval/*/report.json)", file=sys.stderr)

@@ -89,6 +89,10 @@ def test_compare_driver_end_to_end_and_resume(tiny_setup, capsys):
     assert "| ctc |" in md and "| ctc_ce |" in md and "t2: 5/5" in md and "| math |" in md
     assert (out / "val_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # both heads' τ against tokens
     assert "| tree (τ runs) | timing tree | τ (timing) |" in md and "auto: 16 nodes" in md
+    budget = (out / "budget.md").read_text()  # equal tokens and equal wall clock, from the run records
+    for row in rows:
+        rec = json.loads((out / "runs" / "ctc" / f"compare-{row['variant']}" / "record.json").read_text())
+        assert f"| {row['variant']} | {rec['tokens_seen']:,} | {rec['train_seconds']:.0f} |" in budget
 
     # run again: every stage is skipped, nothing is decoded or trained
     assert compare.main(["--config", str(config)]) == 0
@@ -227,6 +231,8 @@ def test_heads_without_a_validation_tau_do_not_stop_the_summary(tmp_path, capsys
         {"validations": [{"step": 1, "tokens_seen": 100, "metrics": {"loss": 2.0}}]}))
     assert driver.plot_val_curves(["adadecode"]) is None
     assert "[skip] validation τ curves: no validation τ" in capsys.readouterr().out
+    assert driver.budget_table(["adadecode"]) is None
+    assert "[skip] budget table: no run record with a validation τ" in capsys.readouterr().out
     assert not (tmp_path / "val_curves.png").exists()
     (run / "record.json").write_text(json.dumps(
         {"validations": [{"step": 1, "tokens_seen": 100, "metrics": {"loss": 2.0, "sim_tau": 1.2}}]}))

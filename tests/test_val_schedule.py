@@ -164,6 +164,9 @@ def test_log_schedule_follows_tokens_seen_and_survives_resume(tiny_base, tiny_mo
     before = [v["train_seconds"] for v in part_record["validations"]]
     assert [v["train_seconds"] for v in again["validations"][:len(before)]] == before
     assert again["validations"][len(before)]["train_seconds"] > before[-1]
+    # the share of the machine that clock ran on, kept across the resume (train.budget compares on it)
+    for rec in (record, part_record, again):
+        assert rec["threads"] == [torch.get_num_threads()] and rec["world_size"] == 1
 
 
 def test_learning_curves_of_several_heads_share_one_plot(tmp_path):

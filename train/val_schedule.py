@@ -30,7 +30,9 @@ validation global rank 0 writes
   ``train_seconds`` is global rank 0's wall-clock time inside training batches (forward, backward,
   optimizer step; not validation, checkpointing or data loading between batches) summed over every
   resumed segment: the x axis of an equal-wall-clock comparison.  It is None for a run resumed from
-  a checkpoint written before it was recorded (its earlier time is unknown);
+  a checkpoint written before it was recorded (its earlier time is unknown).  ``threads`` (torch's
+  intra-op threads of each training segment, distinct) and ``world_size`` say what share of the
+  machine that clock ran on (:mod:`train.budget` puts runs on one clock only when they agree);
 * ``<run_dir>/val_curve.png`` - validation τ (or the monitor) and loss against tokens seen
   (matplotlib, Agg canvas).
 """
@@ -117,12 +119,14 @@ class ValidationSchedule(Callback):
         self._total = 0  # optimizer-step budget of the fit (set at train start)
         self.train_seconds: float | None = 0.0  # wall-clock inside training batches, all segments
         self._batch_started: float | None = None
+        self.threads: list[int] = []  # torch intra-op threads of each training segment (distinct, in order)
+        self.world_size: int | None = None
 
     # -- resume state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"tokens_seen": int(self.tokens_seen), "threshold": int(self.threshold),
                 "last_val_step": int(self.last_val_step), "validations": [dict(v) for v in self.validations],
-                "train_seconds": self.train_seconds}
+                "train_seconds": self.train_seconds, "threads": list(self.threads), "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tokens_seen = int(state.get("tokens_seen", 0))
@@ -132,10 +136,17 @@ class ValidationSchedule(Callback):
         self.threshold = int(state.get("threshold", self.first_tokens))
         self.last_val_step = int(state.get("last_val_step", 0))
         self.validations = [dict(v) for v in state.get("validations", [])]
+        self.threads = [int(t) for t in state.get("threads", [])]  # [] for checkpoints from before it was kept
+        self.world_size = state.get("world_size")
 
     # -- counting and deciding ---------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
+        import torch
+
         self._pending = 0
+        if (threads := int(torch.get_num_threads())) not in self.threads:
+            self.threads.append(threads)
+        self.world_size = int(trainer.world_size)
         # the optimizer-step budget (an epoch budget's estimate), fixed for the fit
         self._total = int(pl_module.total_steps()) if hasattr(pl_module, "total_steps") else int(trainer.max_steps)
         if self.kind == "log":
@@ -207,6 +218,7 @@ class ValidationSchedule(Callback):
                                  **({"first_tokens": self.first_tokens, "factor": self.factor} if self.kind == "log" else {})},
                 "tokens_seen": int(self.tokens_seen),
                 "train_seconds": self._seconds(),
+                "threads": list(self.threads) or None, "world_size": self.world_size,
                 "validations": list(self.validations),
                 "best": best, "checkpoints": kept}
 

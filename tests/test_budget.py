@@ -1,0 +1,74 @@
+"""The comparison at an equal budget (issue 27): validation τ at equal tokens and at equal wall
+clock from the run records, never putting runs on different shares of the machine on one clock."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def _record(points, threads=(2,), world_size=1, tokens=None):
+    """A run record with validations at (train_seconds, sim_tau) points, 1,000 tokens a second."""
+    vals = [{"step": k + 1, "epoch": 0, "tokens_seen": int(1000 * s), "train_seconds": s,
+             "metrics": {"loss": 1.0 / (k + 1), "sim_tau": t}} for k, (s, t) in enumerate(points)]
+    return {"format": "draftheads-run-record-v1", "validations": vals, "train_seconds": points[-1][0],
+            "tokens_seen": tokens if tokens is not None else vals[-1]["tokens_seen"],
+            "threads": list(threads) if threads is not None else None, "world_size": world_size}
+
+
+def test_metric_at_seconds_interpolates_between_validations_and_never_extrapolates():
+    from train.budget import metric_at_seconds
+
+    r = _record([(10.0, 1.1), (20.0, 1.3), (40.0, 1.5)])
+    assert metric_at_seconds(r, 10.0) == pytest.approx(1.1)
+    assert metric_at_seconds(r, 30.0) == pytest.approx(1.4)  # halfway between 1.3 @20 s and 1.5 @40 s
+    assert metric_at_seconds(r, 40.0) == pytest.approx(1.5)
+    assert metric_at_seconds(r, 5.0) is None and metric_at_seconds(r, 41.0) is None
+    untimed = _record([(10.0, 1.1)])
+    untimed["validations"][0]["train_seconds"] = None  # resumed from a checkpoint without the clock
+    assert metric_at_seconds(untimed, 10.0) is None
+
+
+def test_equal_wall_clock_per_machine_share():
+    """W is the shortest run's seconds within runs of the same threads x ranks; another share gets
+    its own W; the end and best τ are each run's own (equal tokens)."""
+    from train.budget import budget_rows
+
+    records = {
+        "ctc": _record([(10.0, 1.2), (30.0, 1.5), (60.0, 1.6)], threads=(1,)),
+        "ctc_ce": _record([(10.0, 1.1), (50.0, 1.4), (90.0, 1.55)], threads=(1,)),
+        "falcon_k1": _record([(20.0, 1.3), (40.0, 1.7), (45.0, 1.65)], threads=(2,)),
+    }
+    rows = {r["name"]: r for r in budget_rows(records)}
+    assert rows["ctc"]["wall_seconds"] == rows["ctc_ce"]["wall_seconds"] == 60.0
+    assert rows["ctc"]["at_wall"] == pytest.approx(1.6)
+    assert rows["ctc_ce"]["at_wall"] == pytest.approx(1.4 + 0.15 * 10 / 40)  # 60 s between 50 s and 90 s
+    assert rows["falcon_k1"]["wall_seconds"] == 45.0 and rows["falcon_k1"]["at_wall"] == pytest.approx(1.65)
+    assert rows["falcon_k1"]["group"] != rows["ctc"]["group"] == rows["ctc_ce"]["group"]
+    assert rows["falcon_k1"]["end"] == pytest.approx(1.65) and rows["falcon_k1"]["best"] == pytest.approx(1.7)
+    assert rows["falcon_k1"]["best_tokens"] == 40000
+    fixed = {r["name"]: r for r in budget_rows(records, seconds=30.0)}
+    assert fixed["ctc"]["at_wall"] == pytest.approx(1.5) and fixed["falcon_k1"]["at_wall"] == pytest.approx(1.5)
+
+
+def test_budget_cli_names_a_bad_record_and_writes_the_table(tmp_path, capsys):
+    from train.budget import main
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "record.json").write_text(json.dumps(_record([(10.0, 1.2), (20.0, 1.4)])))
+    (tmp_path / "b.json").write_text(json.dumps(_record([(15.0, 1.3), (25.0, 1.5)])))
+    out = tmp_path / "budget.md"
+    assert main([f"a={tmp_path / 'a'}", f"b={tmp_path / 'b.json'}", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| a | 20,000 | 20 | 2 × 1 | 1.400 | 1.400 (20,000) | 1.400 (20) |" in text
+    assert "| b | 25,000 | 25 | 2 × 1 | 1.500 | 1.500 (25,000) | 1.400 (20) |" in text
+    (tmp_path / "bad.json").write_text("{\"validations\": 3}")
+    assert main([f"c={tmp_path / 'bad.json'}"]) == 2
+    assert "bad.json: not a run record" in capsys.readouterr().err
+    assert main([f"d={tmp_path / 'missing'}"]) == 2
+    assert "missing" in capsys.readouterr().err
+    no_tau = _record([(10.0, 1.2)])
+    no_tau["validations"][0]["metrics"] = {"loss": 1.0}
+    (tmp_path / "ada.json").write_text(json.dumps(no_tau))
+    assert main([f"adadecode={tmp_path / 'ada.json'}"]) == 2
+    assert "adadecode: its run record has no validation with 'sim_tau'" in capsys.readouterr().err

@@ -1,0 +1,182 @@
+"""Heads compared at an equal budget: validation τ at equal tokens seen and at equal wall clock.
+
+Issue 27's comparison of record gives every head the same **token** budget (one epoch of one
+cache) and reports equal **wall clock** as a second column.  Both come from the run records
+(``record.json``, :mod:`train.val_schedule`): each validation's ``tokens_seen``, ``train_seconds``
+(wall clock inside training batches, summed over resumed segments) and ``sim_tau``.
+
+* **Equal tokens**: each head's last validation (the end of the budget) and its best.
+* **Equal wall clock**: each head's validation τ at W seconds of training, W the shortest run's
+  ``train_seconds`` among the heads trained on the same share of the machine (the same intra-op
+  ``threads`` and ``world_size``, as the record gives them): linear interpolation in
+  ``train_seconds`` between the two validations around W.  A head that only validated after W
+  has no value there.  Heads trained on different shares of the machine are never put on one clock:
+  each such group gets its own W.
+
+``python -m train.budget NAME=RUN_DIR_OR_RECORD [...] [--seconds W] [--out FILE.md]`` prints the
+table (and writes it atomically with ``--out``).  Exit status 0, or 2 on an input error (the message
+names the file).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from train.val_schedule import RECORD
+
+USAGE = "usage: python -m train.budget NAME=RUN_DIR_OR_RECORD_JSON [NAME=...] [--seconds W] [--out FILE.md]"
+
+
+def load_record(path: str | Path) -> dict[str, Any]:
+    """A run record: ``path`` itself or ``path/record.json``.
+
+    Raises:
+        ValueError: no such file, or it is not a run record (no ``validations`` list); the message names it.
+    """
+    p = Path(path)
+    f = p / RECORD if p.is_dir() else p
+    try:
+        record = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{f}: cannot read a run record ({exc})") from exc
+    if not isinstance(record, dict) or not isinstance(record.get("validations"), list):
+        raise ValueError(f"{f}: not a run record (no 'validations' list)")
+    return record
+
+
+def _points(record: dict[str, Any], metric: str) -> list[tuple[float, float]]:
+    """(train_seconds, metric) of every validation that has both, by seconds."""
+    pts = [(float(v["train_seconds"]), float(v["metrics"][metric])) for v in record.get("validations", [])
+           if v.get("train_seconds") is not None and (v.get("metrics") or {}).get(metric) is not None]
+    return sorted(pts)
+
+
+def metric_at_seconds(record: dict[str, Any], seconds: float, metric: str = "sim_tau") -> float | None:
+    """A validation metric at ``seconds`` of training (``train_seconds``), linearly interpolated
+    between the validations around it; exactly a validation's value at its own seconds.
+
+    Returns:
+        The value, or None when no validation came at or before ``seconds`` or none came at or
+        after it (no extrapolation), or the record has no timed validation of ``metric``.
+    """
+    pts = _points(record, metric)
+    s = float(seconds)
+    if not pts or s < pts[0][0] or s > pts[-1][0]:
+        return None
+    for (s0, y0), (s1, y1) in zip(pts, pts[1:]):
+        if s0 <= s <= s1:
+            return y0 if s1 == s0 else y0 + (y1 - y0) * (s - s0) / (s1 - s0)
+    return pts[-1][1]  # a single validation exactly at s
+
+
+def machine_share(record: dict[str, Any]) -> tuple[Any, Any]:
+    """``(threads, world_size)`` the run trained under, as its record gives them (None when the record
+    predates these keys): runs are put on one clock only when these agree."""
+    threads = record.get("threads")
+    if isinstance(threads, list):
+        threads = threads[0] if len(threads) == 1 else tuple(threads)
+    return threads, record.get("world_size")
+
+
+def budget_rows(records: dict[str, dict[str, Any]], seconds: float | None = None,
+                metric: str = "sim_tau") -> list[dict[str, Any]]:
+    """One row per run: tokens seen, train seconds, machine share, ``metric`` at the end and at its
+    best validation (equal tokens when every run saw the same tokens), and at equal wall clock.
+
+    Args:
+        records: ``{name: run record}``.
+        seconds: the wall clock W to compare at (every group alike); None: per machine-share group,
+            the shortest run's ``train_seconds``.
+
+    Raises:
+        ValueError: a record without any validation of ``metric`` (named).
+    """
+    groups: dict[tuple, list[str]] = {}
+    for name, r in records.items():
+        if not _any_metric(r, metric):
+            raise ValueError(f"{name}: its run record has no validation with {metric!r}")
+        groups.setdefault(machine_share(r), []).append(name)
+    rows = []
+    for share, names in groups.items():
+        known = [float(records[n]["train_seconds"]) for n in names if records[n].get("train_seconds") is not None]
+        w = float(seconds) if seconds is not None else (min(known) if known else None)
+        for n in names:
+            r = records[n]
+            vals = [v for v in r["validations"] if (v.get("metrics") or {}).get(metric) is not None]
+            last = max(vals, key=lambda v: v["step"])
+            best = max(vals, key=lambda v: v["metrics"][metric])
+            rows.append({"name": n, "tokens_seen": r.get("tokens_seen"), "train_seconds": r.get("train_seconds"),
+                         "threads": share[0], "world_size": share[1], "validations": len(vals),
+                         "end": last["metrics"][metric], "end_tokens": last["tokens_seen"],
+                         "best": best["metrics"][metric], "best_tokens": best["tokens_seen"],
+                         "wall_seconds": w, "at_wall": None if w is None else metric_at_seconds(r, w, metric),
+                         "group": list(groups).index(share) + 1})
+    return rows
+
+
+def _any_metric(record: dict[str, Any], metric: str) -> bool:
+    return any((v.get("metrics") or {}).get(metric) is not None for v in record.get("validations", []))
+
+
+def _f(x, fmt: str = "{:.3f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def budget_markdown(rows: Sequence[dict[str, Any]], metric: str = "sim_tau") -> str:
+    """The rows of :func:`budget_rows` as a markdown table (one machine-share group after another)."""
+    label = "val τ" if metric == "sim_tau" else f"val/{metric}"
+    lines = [f"| head | tokens seen | train (s) | threads × ranks | {label} at the end (equal tokens) | best {label} "
+             f"(tokens) | {label} at equal wall clock (W s) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        share = f"{_f(r['threads'], '{}')} × {_f(r['world_size'], '{}')}"
+        lines.append(f"| {r['name']} | {_f(r['tokens_seen'], '{:,}')} | {_f(r['train_seconds'], '{:.0f}')} | {share} | "
+                     f"{_f(r['end'])} | {_f(r['best'])} ({_f(r['best_tokens'], '{:,}')}) | "
+                     f"{_f(r['at_wall'])} ({_f(r['wall_seconds'], '{:.0f}')}) |")
+    lines += ["", "Equal wall clock: each run's validation τ at W seconds inside training batches (`train_seconds`), "
+              "W the shortest run's among runs on the same threads × ranks, linear between the validations around "
+              "W; runs on another share of the machine get their own W."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from core.io import atomic_write_text
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    seconds, out, pairs = None, None, []
+    try:
+        while args:
+            a = args.pop(0)
+            if a in ("--seconds", "--out"):
+                if not args:
+                    raise ValueError(f"{a} needs a value")
+                v = args.pop(0)
+                if a == "--seconds":
+                    seconds = float(v)
+                else:
+                    out = v
+            elif "=" in a and not a.startswith("-"):
+                name, path = a.split("=", 1)
+                pairs.append((name, path))
+            else:
+                raise ValueError(f"{a!r}: expected NAME=RUN_DIR_OR_RECORD_JSON")
+        if not pairs:
+            raise ValueError("no run given")
+        records = {}
+        for name, path in pairs:
+            if name in records:
+                raise ValueError(f"duplicate name {name!r}")
+            records[name] = load_record(path)
+        text = budget_markdown(budget_rows(records, seconds))
+    except ValueError as exc:
+        print(f"error: {exc}\n{USAGE}", file=sys.stderr)
+        return 2
+    if out:
+        atomic_write_text(out, text)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
