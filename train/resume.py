@@ -389,6 +389,10 @@ def check_resume_config(cfg: Any, run_dir: str | Path) -> None:
     if recorded.get("train", {}).get("precision") == "auto":
         # recorded before auto was resolved: train.run.resolve_run_precision gives it its old meaning
         recorded["train"]["precision"] = current.get("train", {}).get("precision")
+    if str(current.get("train", {}).get("features", "offline")) == "offline" and "labels" in current:
+        # offline, the cache's labels train (train.run.resolve_run_precision); runs recorded before that
+        # carry data prep's default here, and the cache itself is checked by check_resume_data
+        recorded["labels"] = current["labels"]
     changed = changed_run_keys(recorded, current)
     if changed:
         shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changed.items())[:8])

@@ -349,7 +349,7 @@ def resume_command(argv: list[str], run_name: str) -> str:
 
 
 def resolve_run_precision(cfg: DictConfig, resumed_run: Path | None, online: bool, datamodule=None):
-    """``(cfg with model.dtype and train.precision resolved, the offline cache's FeatureDefinition or None)``.
+    """``(cfg with model.dtype, train.precision and labels resolved, the offline cache's FeatureDefinition or None)``.
 
     * ``train.precision=auto`` -> ``bf16-mixed`` where bf16 is native on the training device, else
       ``32-true`` (one line; :func:`core.precision.resolve_train_precision`).
@@ -357,6 +357,8 @@ def resolve_run_precision(cfg: DictConfig, resumed_run: Path | None, online: boo
       ``auto`` for the training device (a GPU: bf16); offline, the base never runs, and ``auto``
       takes the cache's recorded compute dtype, while an explicit value that differs from it is
       refused with the difference (:func:`data_prep.features.check_same_features`).
+    * ``labels`` (offline): the cache's recorded labels (``teacher_forced`` | ``regenerate``), which
+      are what the run trains on whatever the config's data-prep default says.
     * A resumed run (``resumed_run`` holds its ``config.yaml``) keeps the values it recorded; a run
       recorded before ``auto`` was resolved (``train.precision: auto``) keeps the old meaning
       (``bf16-mixed`` on GPUs, ``32-true`` on CPUs).
@@ -400,7 +402,13 @@ def resolve_run_precision(cfg: DictConfig, resumed_run: Path | None, online: boo
         was = str(OmegaConf.select(recorded, "model.dtype", default="auto"))
         dtype = was if was != "auto" else dtype
     dtype = resolve_dtype(dtype, "model.dtype", "cuda" if online and accel == "gpu" else "cpu")
-    return with_values(cfg, {"train.precision": precision, "model.dtype": dtype}), cache_def
+    values = {"train.precision": precision, "model.dtype": dtype}
+    if cache_def is not None and cache_def.labels and str(cfg.get("labels")) != cache_def.labels:
+        # offline, the cache's labels are what trains: record them, not data prep's default
+        note(f"labels={cfg.get('labels')} -> {cache_def.labels}: an offline run trains on the labels of its cache "
+             f"{cache_dir}")
+        values["labels"] = cache_def.labels
+    return with_values(cfg, values), cache_def
 
 
 def _checkpoint_step(path: str | os.PathLike) -> int:
