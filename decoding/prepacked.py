@@ -30,6 +30,7 @@ its next many-row product.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import types
 
@@ -55,6 +56,22 @@ def available() -> bool:
     """Whether this torch build can reorder linear weights for oneDNN (CPU builds with mkldnn)."""
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.lru_cache(maxsize=None)
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN on this CPU reorders linear weights of ``dtype`` (probed once per dtype on a
+    tiny weight).  bf16 needs ``avx512bw``/``avx512vl``/``avx512dq`` or ``avx_ne_convert``: on an
+    AVX2-only CPU (an AMD Zen 3 here) ``mkldnn_reorder_linear_weight`` raises for it."""
+    if not available():
+        return False
+    try:
+        with torch.no_grad():
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+    except RuntimeError as exc:
+        log.info("oneDNN cannot prepack %s linear weights on this CPU (%s)", dtype, str(exc).splitlines()[0])
+        return False
+    return True
 
 
 def _weight_stamp(w: torch.Tensor) -> tuple[int, int]:
@@ -108,7 +125,8 @@ def prepack_linear_weights(model: torch.nn.Module, min_rows: int = MIN_ROWS, dty
             weights stay (one-token steps, gradients).  Memory: one more copy of those weights.
         min_rows: inputs of at least this many rows (all leading dims flattened) use the packed
             weight; must be >= 2 (a one-row product keeps its kernel: vanilla is untouched).
-        dtypes: weight dtypes to pack.
+        dtypes: weight dtypes to pack; those this CPU cannot reorder (:func:`can_pack`) are left
+            unpacked.
 
     Returns:
         The packed layers' module names; empty when this build has no oneDNN (:func:`available`).
@@ -122,16 +140,17 @@ def prepack_linear_weights(model: torch.nn.Module, min_rows: int = MIN_ROWS, dty
     if not available():
         log.info("this torch build has no oneDNN linear-weight reorder: verification weights are not prepacked")
         return []
+    packable = tuple(d for d in dtypes if can_pack(d))
     packed = []
     for name, mod in model.named_modules():
         if not isinstance(mod, torch.nn.Linear):
             continue
         w = mod.weight
-        if w.dtype not in dtypes or w.device.type != "cpu" or is_one_row_padded(mod):
+        if w.dtype not in packable or w.device.type != "cpu" or is_one_row_padded(mod):
             continue
         state = getattr(mod, _PACKED, None)
-        if state is None or state.min_rows != int(min_rows) or state.dtypes != tuple(dtypes):
-            state = _PackState(None, int(min_rows), None, dtypes)
+        if state is None or state.min_rows != int(min_rows) or state.dtypes != packable:
+            state = _PackState(None, int(min_rows), None, packable)
             setattr(mod, _PACKED, state)
             mod.forward = types.MethodType(_prepacked_forward, mod)
         if state.stamp != _weight_stamp(w):
