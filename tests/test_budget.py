@@ -65,6 +65,11 @@ def test_budget_cli_names_a_bad_record_and_writes_the_table(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{\"validations\": 3}")
     assert main([f"c={tmp_path / 'bad.json'}"]) == 2
     assert "bad.json: not a run record" in capsys.readouterr().err
+    (tmp_path / "nostep.json").write_text(json.dumps({"validations": [{"metrics": {"sim_tau": 1.2}}]}))
+    assert main([f"e={tmp_path / 'nostep.json'}"]) == 2
+    assert "nostep.json: validation 0 lacks step, tokens_seen" in capsys.readouterr().err
+    assert main([f"a={tmp_path / 'a'}", "--seconds", "abc"]) == 2
+    assert "--seconds 'abc': expected a number of seconds" in capsys.readouterr().err
     assert main([f"d={tmp_path / 'missing'}"]) == 2
     assert "missing" in capsys.readouterr().err
     no_tau = _record([(10.0, 1.2)])

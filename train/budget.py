@@ -43,6 +43,10 @@ def load_record(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{f}: cannot read a run record ({exc})") from exc
     if not isinstance(record, dict) or not isinstance(record.get("validations"), list):
         raise ValueError(f"{f}: not a run record (no 'validations' list)")
+    for k, v in enumerate(record["validations"]):
+        missing = [key for key in ("step", "tokens_seen", "metrics") if not isinstance(v, dict) or key not in v]
+        if missing or not isinstance(v["metrics"], dict):
+            raise ValueError(f"{f}: validation {k} lacks {', '.join(missing) or 'a metrics mapping'}")
     return record
 
 
@@ -153,7 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise ValueError(f"{a} needs a value")
                 v = args.pop(0)
                 if a == "--seconds":
-                    seconds = float(v)
+                    try:
+                        seconds = float(v)
+                    except ValueError:
+                        raise ValueError(f"--seconds {v!r}: expected a number of seconds") from None
                 else:
                     out = v
             elif "=" in a and not a.startswith("-"):
