@@ -47,6 +47,8 @@ def test_equal_wall_clock_per_machine_share():
     assert rows["falcon_k1"]["group"] != rows["ctc"]["group"] == rows["ctc_ce"]["group"]
     assert rows["falcon_k1"]["end"] == pytest.approx(1.65) and rows["falcon_k1"]["best"] == pytest.approx(1.7)
     assert rows["falcon_k1"]["best_tokens"] == 40000
+    late = dict(records, ctc=dict(records["ctc"], train_seconds=75.0))  # trained on after its last validation
+    assert {r["name"]: r for r in budget_rows(late)}["ctc_ce"]["wall_seconds"] == 60.0
     fixed = {r["name"]: r for r in budget_rows(records, seconds=30.0)}
     assert fixed["ctc"]["at_wall"] == pytest.approx(1.5) and fixed["falcon_k1"]["at_wall"] == pytest.approx(1.5)
 

@@ -6,8 +6,8 @@ cache) and reports equal **wall clock** as a second column.  Both come from the 
 (wall clock inside training batches, summed over resumed segments) and ``sim_tau``.
 
 * **Equal tokens**: each head's last validation (the end of the budget) and its best.
-* **Equal wall clock**: each head's validation τ at W seconds of training, W the shortest run's
-  ``train_seconds`` among the heads trained on the same share of the machine (the same intra-op
+* **Equal wall clock**: each head's validation τ at W seconds of training, W the earliest last timed
+  validation (``train_seconds``) among the heads trained on the same share of the machine (the same intra-op
   ``threads`` and ``world_size``, as the record gives them): linear interpolation in
   ``train_seconds`` between the two validations around W.  A head that only validated after W
   has no value there.  Heads trained on different shares of the machine are never put on one clock:
@@ -92,7 +92,7 @@ def budget_rows(records: dict[str, dict[str, Any]], seconds: float | None = None
     Args:
         records: ``{name: run record}``.
         seconds: the wall clock W to compare at (every group alike); None: per machine-share group,
-            the shortest run's ``train_seconds``.
+            the earliest of the runs' last timed validations.
 
     Raises:
         ValueError: a record without any validation of ``metric`` (named).
@@ -104,7 +104,8 @@ def budget_rows(records: dict[str, dict[str, Any]], seconds: float | None = None
         groups.setdefault(machine_share(r), []).append(name)
     rows = []
     for share, names in groups.items():
-        known = [float(records[n]["train_seconds"]) for n in names if records[n].get("train_seconds") is not None]
+        # each run's last timed validation: time trained after it has no τ to read
+        known = [_points(records[n], metric)[-1][0] for n in names if _points(records[n], metric)]
         w = float(seconds) if seconds is not None else (min(known) if known else None)
         for n in names:
             r = records[n]
@@ -139,7 +140,7 @@ def budget_markdown(rows: Sequence[dict[str, Any]], metric: str = "sim_tau") -> 
                      f"{_f(r['end'])} | {_f(r['best'])} ({_f(r['best_tokens'], '{:,}')}) | "
                      f"{_f(r['at_wall'])} ({_f(r['wall_seconds'], '{:.0f}')}) |")
     lines += ["", "Equal wall clock: each run's validation τ at W seconds inside training batches (`train_seconds`), "
-              "W the shortest run's among runs on the same threads × ranks, linear between the validations around "
+              "W the earliest last timed validation among runs on the same threads × ranks, linear between the validations around "
               "W; runs on another share of the machine get their own W."]
     return "\n".join(lines) + "\n"
 
