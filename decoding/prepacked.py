@@ -58,18 +58,40 @@ def available() -> bool:
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] reordered into oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [rows, in] times a :func:`_reorder` ed weight, plus ``bias``: [rows, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 @functools.lru_cache(maxsize=None)
 def can_pack(dtype: torch.dtype) -> bool:
-    """Whether oneDNN on this CPU reorders linear weights of ``dtype`` (probed once per dtype on a
-    tiny weight).  bf16 needs ``avx512bw``/``avx512vl``/``avx512dq`` or ``avx_ne_convert``: on an
-    AVX2-only CPU (an AMD Zen 3 here) ``mkldnn_reorder_linear_weight`` raises for it."""
+    """Whether oneDNN on this CPU can run a prepacked product of ``dtype``: probed once per dtype on a
+    tiny layer, through both calls the packed path makes (``_reorder_linear_weight``, then
+    ``_linear_pointwise`` over :data:`MIN_ROWS` rows, checked against ``F.linear``).  bf16 needs
+    ``avx512bw``/``avx512vl``/``avx512dq`` or ``avx_ne_convert``: on an AVX2-only CPU (an AMD Zen 3 here)
+    the reorder raises for it.  A product that runs but disagrees with ``F.linear`` beyond the dtype's
+    rounding also answers False (logged), so a broken kernel can never reach verification."""
     if not available():
         return False
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 32, generator=gen).to(dtype)
+    b = torch.randn(16, generator=gen).to(dtype)
+    x = torch.randn(MIN_ROWS, 32, generator=gen).to(dtype)
     try:
         with torch.no_grad():
-            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+            y = _packed_linear(x, _reorder(w), b)
     except RuntimeError as exc:
         log.info("oneDNN cannot prepack %s linear weights on this CPU (%s)", dtype, str(exc).splitlines()[0])
+        return False
+    ref = F.linear(x.float(), w.float(), b.float())
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    if y.shape != ref.shape or not torch.allclose(y.float(), ref, atol=tol, rtol=tol):
+        log.warning("oneDNN's prepacked %s product disagrees with F.linear on this CPU: not prepacking", dtype)
         return False
     return True
 
@@ -93,7 +115,7 @@ class _PackState:
 
     def repack(self, weight: torch.Tensor) -> None:
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            self.packed = _reorder(weight.detach())
         self.stamp = _weight_stamp(weight)
 
 
@@ -111,8 +133,7 @@ def _prepacked_forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w, self.bias)
     if state.stamp != _weight_stamp(w):
         state.repack(w)
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), state.packed, self.bias,
-                                           "none", [], "")
+    y = _packed_linear(x.reshape(rows, x.shape[-1]).contiguous(), state.packed, self.bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -127,7 +127,7 @@ def prepacked_products(model, ev) -> list[str]:
     Raises:
         ValueError: ``eval.prepack_weights`` is not auto/true/false, or is true where it cannot apply.
     """
-    from decoding.prepacked import PACK_DTYPES, available, prepack_linear_weights
+    from decoding.prepacked import PACK_DTYPES, available, can_pack, prepack_linear_weights
     from decoding.verify import model_device
     from evaluation.config_checks import prepack_mode
 
@@ -136,11 +136,12 @@ def prepacked_products(model, ev) -> list[str]:
         raise ValueError(f"eval.prepack_weights={ev.get('prepack_weights')!r}: use auto, true or false")
     if mode == "false":
         return []
-    applies = model_device(model).type == "cpu" and model.dtype in PACK_DTYPES and available()
+    applies = model_device(model).type == "cpu" and model.dtype in PACK_DTYPES and can_pack(model.dtype)
     if not applies:
         if mode == "true":
             raise ValueError(f"eval.prepack_weights=true needs an fp32 base on a CPU with oneDNN; this base is "
-                             f"{_dtype_name(model.dtype)} on {model_device(model)} (oneDNN: {available()})")
+                             f"{_dtype_name(model.dtype)} on {model_device(model)} (oneDNN: {available()}, "
+                             f"packs {_dtype_name(model.dtype)}: {can_pack(model.dtype)})")
         return []
     return prepack_linear_weights(model)
 

@@ -164,3 +164,30 @@ def test_prefill_logits_close(model):
     ref = model(input_ids=ids[None]).logits[0]
     prepacked.prepack_linear_weights(model)
     torch.testing.assert_close(model(input_ids=ids[None]).logits[0], ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fault", ["raises", "disagrees"])
+def test_can_pack_probes_the_packed_product(model, monkeypatch, fault):
+    """A CPU whose oneDNN reorders the weight but cannot run (or miscomputes) the packed product is
+    one that cannot pack: nothing is packed, auto falls back to F.linear and true says why."""
+    if not prepacked.available():
+        pytest.skip("this torch build has no oneDNN")
+    real = prepacked._packed_linear
+
+    def broken(x, packed, bias):
+        if fault == "raises":
+            raise RuntimeError("could not create a primitive descriptor for an inner product")
+        return real(x, packed, bias) + 1.0
+
+    prepacked.can_pack.cache_clear()
+    monkeypatch.setattr(prepacked, "_packed_linear", broken)
+    try:
+        assert prepacked.can_pack(torch.float32) is False
+        assert prepacked.prepack_linear_weights(model) == []
+        assert prepacked_products(model, compose(rewrite_argv(["eval.prepack_weights=auto"])).eval) == []
+        with pytest.raises(ValueError, match="packs float32: False"):
+            prepacked_products(model, compose(rewrite_argv(["eval.prepack_weights=true"])).eval)
+    finally:
+        prepacked.can_pack.cache_clear()
+    monkeypatch.setattr(prepacked, "_packed_linear", real)
+    assert prepacked.can_pack(torch.float32) is True
