@@ -384,16 +384,33 @@ class Driver:
         return tokens_seen(lengths, batches, int(steps), int(run.seed), bool(t.shuffle), 1,
                            int(t.accumulate_grad_batches))
 
+    def run_records(self, names: list[str], what: str) -> dict[str, dict]:
+        """``{name: record.json}`` of the heads that have one, read and checked by
+        :func:`train.budget.load_record`; one that cannot be read is left out of ``what`` with a
+        ``[skip]`` line naming it, so it never costs the rest of the summary."""
+        from train.budget import load_record
+        from train.val_schedule import RECORD
+
+        records = {}
+        for n in names:
+            f = self.run_dir(n) / RECORD
+            if not f.is_file():
+                continue
+            try:
+                records[n] = load_record(f)
+            except ValueError as exc:
+                print(f"[skip] {what}: {n}: {exc}")
+        return records
+
     def plot_val_curves(self, names: list[str]) -> Path | None:
         """``<output_dir>/val_curves.png`` from the runs' ``record.json`` (those with a validation τ),
         or None (and a ``[skip]`` line) when none has one: a head monitored by its loss alone
         (AdaDecode) has no τ to draw, and that must not stop the summary."""
-        from train.val_schedule import RECORD, plot_curves
+        from train.val_schedule import plot_curves
 
         if self.dry_run:
             return None
-        records = {n: json.loads((self.run_dir(n) / RECORD).read_text(encoding="utf-8")) for n in names
-                   if (self.run_dir(n) / RECORD).is_file()}
+        records = self.run_records(names, "validation τ curves")
         path = self.out / "val_curves.png"
         try:
             drawn = plot_curves(records, path, title="validation τ against tokens seen, per head")
@@ -406,20 +423,15 @@ class Driver:
     def budget_table(self, names: list[str]) -> Path | None:
         """``<output_dir>/budget.md``: every trained head's validation τ at the end of its budget (equal
         tokens under a token budget) and at equal wall clock (:mod:`train.budget`, per share of the
-        machine), from the runs' ``record.json``; None (and a ``[skip]`` line) when no run has a τ."""
+        machine), from the runs' ``record.json``; None (and a ``[skip]`` line) when no run has a τ.  A
+        record that cannot be read is left out with a ``[skip]`` line naming it."""
         from core.io import atomic_write_text
-        from train.budget import budget_markdown, budget_rows, load_record
-        from train.val_schedule import RECORD
+        from train.budget import budget_markdown, budget_rows
 
         if self.dry_run:
             return None
-        records = {}
-        for n in names:
-            f = self.run_dir(n) / RECORD
-            if f.is_file():
-                r = load_record(f)
-                if any((v.get("metrics") or {}).get("sim_tau") is not None for v in r["validations"]):
-                    records[n] = r
+        records = {n: r for n, r in self.run_records(names, "budget table").items()
+                   if any((v.get("metrics") or {}).get("sim_tau") is not None for v in r["validations"])}
         if not records:
             print("[skip] budget table: no run record with a validation τ")
             return None

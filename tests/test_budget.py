@@ -71,7 +71,7 @@ def test_budget_cli_names_a_bad_record_and_writes_the_table(tmp_path, capsys):
     assert main([f"e={tmp_path / 'nostep.json'}"]) == 2
     assert "nostep.json: validation 0 lacks step, tokens_seen" in capsys.readouterr().err
     assert main([f"a={tmp_path / 'a'}", "--seconds", "abc"]) == 2
-    assert "--seconds 'abc': expected a number of seconds" in capsys.readouterr().err
+    assert "--seconds 'abc': expected a finite, non-negative number of seconds" in capsys.readouterr().err
     assert main([f"d={tmp_path / 'missing'}"]) == 2
     assert "missing" in capsys.readouterr().err
     no_tau = _record([(10.0, 1.2)])
@@ -79,3 +79,81 @@ def test_budget_cli_names_a_bad_record_and_writes_the_table(tmp_path, capsys):
     (tmp_path / "ada.json").write_text(json.dumps(no_tau))
     assert main([f"adadecode={tmp_path / 'ada.json'}"]) == 2
     assert "adadecode: its run record has no validation with 'sim_tau'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("step", None, "validation 1: step=None: expected a non-negative int"),
+    ("step", 2.5, "validation 1: step=2.5: expected a non-negative int"),
+    ("tokens_seen", "20000", "validation 1: tokens_seen='20000': expected a non-negative int"),
+    ("metrics", ["sim_tau"], "validation 1: metrics=['sim_tau']: expected a mapping"),
+    ("sim_tau", "1.4", "validation 1: metrics.sim_tau='1.4': expected a finite number or null"),
+    ("sim_tau", float("nan"), "validation 1: metrics.sim_tau=nan: expected a finite number or null"),
+    ("train_seconds", -3.0, "validation 1: train_seconds=-3.0: expected a non-negative number or null"),
+    ("threads", {"n": 2}, "threads={'n': 2}: expected null, a positive int or a list of them"),
+    ("world_size", [0], "world_size=[0]: expected null, a positive int or a list of them"),
+])
+def test_a_mistyped_record_is_named_not_a_traceback(tmp_path, capsys, field, value, message):
+    from train.budget import main
+
+    r = _record([(10.0, 1.2), (20.0, 1.4)])
+    if field in ("threads", "world_size"):
+        r[field] = value
+    elif field == "sim_tau":
+        r["validations"][1]["metrics"]["sim_tau"] = value
+    else:
+        r["validations"][1][field] = value
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(r))
+    assert main([f"a={f}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}: {message}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("seconds", ["nan", "inf", "-inf", "-1"])
+def test_seconds_must_be_finite_and_non_negative(tmp_path, capsys, seconds):
+    from train.budget import budget_rows, main
+
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(_record([(10.0, 1.2), (20.0, 1.4)])))
+    assert main([f"a={f}", "--seconds", seconds]) == 2
+    assert f"--seconds {seconds!r}: expected a finite, non-negative number" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="expected a finite, non-negative number"):
+        budget_rows({"a": _record([(10.0, 1.2)])}, seconds=float(seconds))
+
+
+def test_out_must_be_a_file_in_an_existing_directory(tmp_path, capsys):
+    from train.budget import main
+
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(_record([(10.0, 1.2), (20.0, 1.4)])))
+    assert main([f"a={f}", "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path}: expected a file path in an existing directory" in capsys.readouterr().err
+    assert main([f"a={f}", "--out", str(tmp_path / "no" / "such.md")]) == 2
+    assert not (tmp_path / "no").exists()
+
+
+def test_validations_at_one_second_are_ordered_by_step():
+    """Two validations at the same train_seconds (a resumed segment that validated before training a
+    batch): the later step is the value at that second and the start of the next interval, whatever
+    the two values are."""
+    from train.budget import metric_at_seconds
+
+    r = _record([(10.0, 1.5), (20.0, 1.2), (20.0, 1.6), (30.0, 1.8)])
+    assert metric_at_seconds(r, 25.0) == pytest.approx(1.7)  # from step 3's 1.6 at 20 s to 1.8 at 30 s
+    assert metric_at_seconds(r, 15.0) == pytest.approx(1.35)  # from 1.5 at 10 s to step 2's 1.2 at 20 s
+    flipped = _record([(10.0, 1.5), (20.0, 1.6), (20.0, 1.2), (30.0, 1.8)])
+    assert metric_at_seconds(flipped, 25.0) == pytest.approx(1.5)  # step 3's 1.2 -> 1.8
+
+
+def test_records_without_a_machine_share_are_each_their_own_clock():
+    """Records written before threads / world_size were kept say nothing about the share of the
+    machine they trained on: they are never put on one clock with each other or with a known share."""
+    from train.budget import budget_rows
+
+    records = {"old_a": _record([(10.0, 1.2), (30.0, 1.5)], threads=None, world_size=None),
+               "old_b": _record([(10.0, 1.1), (60.0, 1.6)], threads=None, world_size=None),
+               "new": _record([(10.0, 1.3), (60.0, 1.7)], threads=(2,))}
+    rows = {r["name"]: r for r in budget_rows(records)}
+    assert len({r["group"] for r in rows.values()}) == 3
+    assert rows["old_a"]["wall_seconds"] == 30.0 and rows["old_b"]["wall_seconds"] == 60.0
+    assert rows["old_b"]["at_wall"] == pytest.approx(1.6)

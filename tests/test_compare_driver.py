@@ -238,6 +238,15 @@ def test_heads_without_a_validation_tau_do_not_stop_the_summary(tmp_path, capsys
         {"validations": [{"step": 1, "tokens_seen": 100, "metrics": {"loss": 2.0, "sim_tau": 1.2}}]}))
     assert driver.plot_val_curves(["adadecode"]) == tmp_path / "val_curves.png"
     assert "[done] validation τ curves of adadecode" in capsys.readouterr().out
+    broken = driver.run_dir("ctc")  # a record cut off mid-write by hand: named, skipped, not a crash
+    broken.mkdir(parents=True)
+    (broken / "record.json").write_text('{"validations": [{"step": 1, "tokens_')
+    assert driver.budget_table(["ctc", "adadecode"]) == tmp_path / "budget.md"
+    assert driver.plot_val_curves(["ctc", "adadecode"]) == tmp_path / "val_curves.png"
+    printed = capsys.readouterr().out
+    assert "[skip] budget table: ctc:" in printed and "cannot read a run record" in printed
+    assert "[skip] validation τ curves: ctc:" in printed
+    assert "| adadecode |" in (tmp_path / "budget.md").read_text()
     driver.summarize(["adadecode"])  # trained, not evaluated yet: said, and no summary of nothing
     printed = capsys.readouterr().out
     assert "[skip] summary: adadecode has no evaluation report yet" in printed and "no evaluated head" in printed
