@@ -166,7 +166,7 @@ def test_log_schedule_follows_tokens_seen_and_survives_resume(tiny_base, tiny_mo
     assert again["validations"][len(before)]["train_seconds"] > before[-1]
     # the share of the machine that clock ran on, kept across the resume (train.budget compares on it)
     for rec in (record, part_record, again):
-        assert rec["threads"] == [torch.get_num_threads()] and rec["world_size"] == 1
+        assert rec["threads"] == [torch.get_num_threads()] and rec["world_size"] == [1]
 
 
 def test_learning_curves_of_several_heads_share_one_plot(tmp_path):
@@ -203,3 +203,32 @@ def test_train_seconds_unknown_after_resuming_a_checkpoint_without_them():
     assert fresh.train_seconds == 0.0
     fresh.load_state_dict({"tokens_seen": 500, "train_seconds": 12.5, "validations": []})
     assert fresh.train_seconds == 12.5
+
+
+def test_machine_share_is_unknown_after_resuming_a_checkpoint_without_it_and_kept_per_segment():
+    """A checkpoint written before threads / world_size were kept resumes with them unknown (None in
+    the record), never claiming the resumed segment's share for the steps before it; a checkpoint that
+    kept world_size as one int adds each new segment's rank count to a list."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from train.val_schedule import ValidationSchedule
+
+    def resume(state, world_size):
+        sched = ValidationSchedule("log", 10, 32, 2.0)
+        sched.load_state_dict(state)
+        sched.on_train_start(SimpleNamespace(world_size=world_size, max_steps=100), SimpleNamespace())
+        return sched
+
+    base = {"tokens_seen": 500, "threshold": 512, "last_val_step": 3, "validations": [], "train_seconds": 4.0}
+    old = resume(base, 1)
+    assert old.record()["threads"] is None and old.record()["world_size"] is None
+    assert old.state_dict()["threads"] is None and old.state_dict()["world_size"] is None
+    again = resume(old.state_dict(), 1)  # and it stays unknown across later resumes
+    assert again.record()["threads"] is None and again.record()["world_size"] is None
+    n = torch.get_num_threads()
+    one_int = resume(dict(base, threads=[n], world_size=1), 2)
+    assert one_int.record()["threads"] == [n] and one_int.record()["world_size"] == [1, 2]
+    fresh = resume({}, 1)
+    assert fresh.record()["threads"] == [n] and fresh.record()["world_size"] == [1]

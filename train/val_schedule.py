@@ -31,8 +31,10 @@ validation global rank 0 writes
   optimizer step; not validation, checkpointing or data loading between batches) summed over every
   resumed segment: the x axis of an equal-wall-clock comparison.  It is None for a run resumed from
   a checkpoint written before it was recorded (its earlier time is unknown).  ``threads`` (torch's
-  intra-op threads of each training segment, distinct) and ``world_size`` say what share of the
-  machine that clock ran on (:mod:`train.budget` puts runs on one clock only when they agree);
+  intra-op threads of each training segment, distinct) and ``world_size`` (each segment's number of
+  ranks, distinct) say what share of the machine that clock ran on (:mod:`train.budget` puts runs on
+  one clock only when they agree); each is None when the run resumed from a checkpoint written before
+  it was kept (the share of its earlier steps is unknown);
 * ``<run_dir>/val_curve.png`` - validation τ (or the monitor) and loss against tokens seen
   (matplotlib, Agg canvas).
 """
@@ -87,6 +89,17 @@ def best_validation(validations: list[dict[str, Any]], monitor: str, mode: str) 
     return max(scored, key=lambda v: (sign * v["metrics"][name], -v["step"]))
 
 
+def _int_list(value: Any) -> list[int] | None:
+    """A checkpoint's ``threads`` / ``world_size``: None (unknown), an int (one segment) or a list."""
+    if value is None:
+        return None
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def _copy(values: list[int] | None) -> list[int] | None:
+    return None if values is None else list(values)
+
+
 class ValidationSchedule(Callback):
     """Counts tokens seen, decides the ``log`` schedule's validations, records every validation.
 
@@ -119,14 +132,17 @@ class ValidationSchedule(Callback):
         self._total = 0  # optimizer-step budget of the fit (set at train start)
         self.train_seconds: float | None = 0.0  # wall-clock inside training batches, all segments
         self._batch_started: float | None = None
-        self.threads: list[int] = []  # torch intra-op threads of each training segment (distinct, in order)
-        self.world_size: int | None = None
+        # torch intra-op threads and world sizes of the training segments (distinct, in order); None when
+        # a resumed checkpoint predates them, so the share of the machine of its earlier steps is unknown
+        self.threads: list[int] | None = []
+        self.world_sizes: list[int] | None = []
 
     # -- resume state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"tokens_seen": int(self.tokens_seen), "threshold": int(self.threshold),
                 "last_val_step": int(self.last_val_step), "validations": [dict(v) for v in self.validations],
-                "train_seconds": self.train_seconds, "threads": list(self.threads), "world_size": self.world_size}
+                "train_seconds": self.train_seconds, "threads": _copy(self.threads),
+                "world_size": _copy(self.world_sizes)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tokens_seen = int(state.get("tokens_seen", 0))
@@ -136,17 +152,18 @@ class ValidationSchedule(Callback):
         self.threshold = int(state.get("threshold", self.first_tokens))
         self.last_val_step = int(state.get("last_val_step", 0))
         self.validations = [dict(v) for v in state.get("validations", [])]
-        self.threads = [int(t) for t in state.get("threads", [])]  # [] for checkpoints from before it was kept
-        self.world_size = state.get("world_size")
+        unknown = None if self.tokens_seen else []  # a checkpoint from before they were kept: unknown
+        self.threads = _int_list(state.get("threads", unknown))
+        self.world_sizes = _int_list(state.get("world_size", unknown))  # an int in checkpoints of one segment
 
     # -- counting and deciding ---------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
         import torch
 
         self._pending = 0
-        if (threads := int(torch.get_num_threads())) not in self.threads:
-            self.threads.append(threads)
-        self.world_size = int(trainer.world_size)
+        for seen, now in ((self.threads, int(torch.get_num_threads())), (self.world_sizes, int(trainer.world_size))):
+            if seen is not None and now not in seen:
+                seen.append(now)
         # the optimizer-step budget (an epoch budget's estimate), fixed for the fit
         self._total = int(pl_module.total_steps()) if hasattr(pl_module, "total_steps") else int(trainer.max_steps)
         if self.kind == "log":
@@ -218,7 +235,7 @@ class ValidationSchedule(Callback):
                                  **({"first_tokens": self.first_tokens, "factor": self.factor} if self.kind == "log" else {})},
                 "tokens_seen": int(self.tokens_seen),
                 "train_seconds": self._seconds(),
-                "threads": list(self.threads) or None, "world_size": self.world_size,
+                "threads": _copy(self.threads) or None, "world_size": _copy(self.world_sizes) or None,
                 "validations": list(self.validations),
                 "best": best, "checkpoints": kept}
 
