@@ -247,3 +247,23 @@ def test_offline_run_records_its_caches_labels_and_older_records_still_resume(ti
     main([*args, "train.max_steps=2", "resume=auto"])  # was refused: "labels: 'regenerate' -> 'teacher_forced'"
     assert sorted(p.name for p in (run_dir / "launches").glob("*.yaml")) == ["1.yaml"]
     assert OmegaConf.load(run_dir / "launches" / "1.yaml").labels == "teacher_forced"
+
+
+def test_recorded_labels_other_than_the_old_default_must_not_change(tmp_path):
+    """Only data prep's default, which offline runs recorded before they recorded their cache's, gives
+    way to the cache's labels; a run recorded as trained on teacher-forced labels is refused a resume
+    that trains on regenerated ones, naming the key."""
+    from omegaconf import OmegaConf
+
+    from core.config import UserInputError, compose
+    from train.resume import check_resume_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert compose([]).labels == "regenerate"
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(compose(["labels=teacher_forced"])))
+    check_resume_config(compose(["labels=teacher_forced"]), run)
+    with pytest.raises(UserInputError, match="labels: 'teacher_forced' -> 'regenerate'"):
+        check_resume_config(compose(["labels=regenerate"]), run)
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(compose(["labels=regenerate"])))
+    check_resume_config(compose(["labels=teacher_forced"]), run)  # an older record: the default gives way

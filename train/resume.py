@@ -367,6 +367,14 @@ def changed_run_keys(recorded: dict[str, Any], current: dict[str, Any]) -> dict[
             if not _may_change(k) and a.get(k, missing) != b.get(k, missing)}
 
 
+def _default_labels() -> str:
+    """Data prep's default ``labels`` (configs/config.yaml), which offline runs recorded before they
+    recorded their cache's."""
+    from core.config import compose
+
+    return str(compose([]).get("labels"))
+
+
 def check_resume_config(cfg: Any, run_dir: str | Path) -> None:
     """Refuse to resume ``run_dir`` with a config that changes what the run trains.
 
@@ -389,9 +397,11 @@ def check_resume_config(cfg: Any, run_dir: str | Path) -> None:
     if recorded.get("train", {}).get("precision") == "auto":
         # recorded before auto was resolved: train.run.resolve_run_precision gives it its old meaning
         recorded["train"]["precision"] = current.get("train", {}).get("precision")
-    if str(current.get("train", {}).get("features", "offline")) == "offline" and "labels" in current:
+    if (str(current.get("train", {}).get("features", "offline")) == "offline" and "labels" in current
+            and recorded.get("labels") == _default_labels()):
         # offline, the cache's labels train (train.run.resolve_run_precision); runs recorded before that
-        # carry data prep's default here, and the cache itself is checked by check_resume_data
+        # carry data prep's default here (and the cache itself is checked by check_resume_data).  Any
+        # other recorded value is the labels the run trained on, which must not change
         recorded["labels"] = current["labels"]
     changed = changed_run_keys(recorded, current)
     if changed:
