@@ -153,6 +153,8 @@ def cost_table(model, ident, sizes, args) -> dict:
     for d, ms in best.items():
         out["cost_models"][d] = {"key": cost_key(ident, models[d], sizes, args.context_tokens, args.repeats),
                                  "tree_forward_ms": ms, "relative_to_one_token": {n: v / ms[one] for n, v in ms.items()}}
+    if any(d.partition(":")[0] == "bfloat16" for d in dtypes):
+        out["bf16_support"] = _bf16_warning()
     if "float32" in best:
         out["relative_to_fp32_one_token"] = {d: {n: v / best["float32"][one] for n, v in ms.items()} for d, ms in best.items()}
     print("| n | " + " | ".join(f"{d} ms | {d} c(n)/c(1)" for d in dtypes) + " |", file=sys.stderr)
@@ -160,6 +162,19 @@ def cost_table(model, ident, sizes, args) -> dict:
         print(f"| {n} | " + " | ".join(f"{best[d][n]:.1f} | {best[d][n] / best[d][one]:.2f}" for d in dtypes) + " |",
               file=sys.stderr)
     return out
+
+
+def _bf16_warning() -> dict:
+    """This CPU's bf16 level (core.precision.bf16_support) for the JSON, and a stderr warning when it
+    is not native: an emulated or slow bf16 c(n) is not the machine's fast path, so it must not be read
+    as one (model.dtype=auto would not pick it)."""
+    from core.precision import bf16_support
+
+    support = bf16_support("cpu")
+    if not support.native:
+        print(f"warning: bf16 on this CPU is {support.level}: {support.reason}; its c(n) below is not this "
+              f"machine's fast path (model.dtype=auto resolves to float32 here)", file=sys.stderr)
+    return {"level": support.level, "reason": support.reason}
 
 
 def _emit(result, out, rc: int) -> int:

@@ -361,3 +361,19 @@ def test_a_resumed_run_keeps_the_precision_it_recorded(tmp_path, monkeypatch):
         check_resume_config(cfg, run)  # the resolved settings are the recorded ones: accepted
     fresh, _ = resolve_run_precision(base, None, online=True)
     assert (fresh.train.precision, fresh.model.dtype) == ("bf16-mixed", "bfloat16")
+
+
+@pytest.mark.parametrize("level", ["none", "slow", "native"])
+def test_bench_decoding_says_when_its_bf16_cost_is_not_the_fast_path(monkeypatch, capsys, level):
+    """benchmarks/bench_decoding.py --cost-only --dtypes ...,bfloat16 records this CPU's bf16 level and
+    warns when it is emulated or slow, so an emulated bf16 c(n) is never read as the machine's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import bench_decoding
+
+    monkeypatch.setenv(precision.BF16_ENV, level)
+    assert bench_decoding._bf16_warning() == {"level": level, "reason": f"${precision.BF16_ENV}={level}"}
+    err = capsys.readouterr().err
+    assert (f"warning: bf16 on this CPU is {level}" in err) == (level != "native")
