@@ -23,7 +23,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from core.io import atomic_write_text, sha256_json
+from core.io import atomic_write_text, output_dir_problem, sha256_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = Path(os.environ.get("DRAFTHEADS_CONFIG_DIR", REPO_ROOT / "configs"))
@@ -202,6 +202,18 @@ def check_range(cfg: DictConfig, key: str, lo: float | None = None, hi: float | 
         raise ConfigError(f"{key}={value!r} must lie in [{lo}, {hi}]")
 
 
+def check_output_path(cfg: DictConfig, key: str) -> None:
+    """Raise :class:`ConfigError` naming ``key`` when ``cfg.<key>`` (an output folder; unset or null is
+    skipped) cannot become a folder to write into (:func:`core.io.output_dir_problem`): checked
+    before a stage loads the base, so a bad path costs nothing."""
+    value = OmegaConf.select(cfg, key, default=None)
+    if value is None:
+        return
+    problem = output_dir_problem(str(value))
+    if problem is not None:
+        raise ConfigError(f"{key}={value!r} cannot be written: {problem}")
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 #: ``model.dtype`` values: a dtype, or ``auto`` (resolved per stage by :mod:`core.precision`)
 MODEL_DTYPES = ("auto", *DTYPES)
@@ -216,6 +228,7 @@ def _core_checks(cfg: DictConfig) -> None:
                               "or a .gguf file (model=smollm2 uses the packaged SmolLM2)")
     if "labels" in cfg:
         check_choice(cfg, "labels", ("teacher_forced", "regenerate"))
+    check_output_path(cfg, "output_root")  # every stage writes under it (runs, caches, cost models)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -297,8 +310,9 @@ def run_cli(fn: Callable[[DictConfig], object], argv: Sequence[str] | None = Non
     """Compose the config (:func:`cli`), then run ``fn(cfg)``.
 
     A missing input file (``FileNotFoundError``), a :class:`UserInputError` or a :class:`ConfigError`
-    found while running (e.g. ``core.precision`` refusing bf16 on this machine) is printed as one
-    ``error:`` line and exits with 2 instead of a traceback; anything else propagates.
+    found while running (e.g. ``core.precision`` refusing bf16 on this machine), and any other
+    ``OSError`` (:func:`describe_os_error`), is printed as one ``error:`` line and exits with 2 instead
+    of a traceback; anything else propagates.
     """
     cfg = cli(argv, doc)
     try:
@@ -306,6 +320,18 @@ def run_cli(fn: Callable[[DictConfig], object], argv: Sequence[str] | None = Non
     except (FileNotFoundError, UserInputError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except OSError as exc:  # a full disk, a path through a file: one line naming the file
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``<file>: <reason>`` for an ``OSError`` (both files for a rename), the exception text when it
+    names no file."""
+    if exc.filename is None:
+        return str(exc)
+    files = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else str(exc.filename)
+    return f"{files}: {exc.strerror or exc}"
 
 
 class UserInputError(ValueError):

@@ -33,6 +33,32 @@ def _tmp_path(path: Path) -> Path:
     return Path(tmp)
 
 
+def output_dir_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be (or become) a folder to write into, or ``None`` when it can.
+
+    Looked at before anything is written, so that a bad output path is refused by name instead of
+    failing in ``mkdir`` after minutes of work.  Reasons: ``path`` or one of its ancestors exists and
+    is not a folder, or the deepest existing ancestor is a folder this process cannot write into
+    (``os.access`` with ``W_OK | X_OK``, so root passes everywhere).  Nothing is created.
+
+    Args:
+        path: the output folder (need not exist; ``~`` is expanded).
+    Returns:
+        One sentence naming the offending path, or ``None``.
+    """
+    p = Path(path).expanduser()
+    p = p if p.is_absolute() else Path.cwd() / p
+    for node in (p, *p.parents):
+        if node.exists() or node.is_symlink():
+            if not node.is_dir():
+                what = "a broken link" if node.is_symlink() and not node.exists() else "a file"
+                return f"{node} is {what}, not a folder"
+            if not os.access(node, os.W_OK | os.X_OK):
+                return f"{node} is a folder this user cannot write into"
+            return None
+    return None
+
+
 def make_tmp_dir(prefix: str, parent: str | os.PathLike) -> Path:
     """A fresh temporary directory inside ``parent`` (created if needed), to be filled and then
     ``os.replace``-d into its final name; permissions as ``mkdir`` would give (0777 & ~umask)."""

@@ -288,7 +288,11 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         ValueError: ``model`` was loaded in another dtype than ``model.dtype`` resolves to.
         UserInputError: bad ``prep.layers``, a cache directory prepared under other settings, or no
             usable conversation.
+        core.config.ConfigError: ``prep.cache_dir`` cannot become a folder to write into.
     """
+    from core.config import check_output_path
+
+    check_output_path(cfg, "prep.cache_dir")  # a path through a file is refused before the base loads
     if rank is None or world is None:
         rank, world = cache_mod.rank_world()
     # the base's compute dtype first: model.dtype=auto -> what runs on this CPU (one line), bf16 without

@@ -27,25 +27,12 @@ def rewrite_argv(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from core.config import cli
-    from evaluation.prompts import PromptError
-    from evaluation.report import format_summary
-    from evaluation.runner import ParityError, run_evaluation
+    from evaluation.cli import run_and_report
+    from evaluation.runner import run_evaluation
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = cli(rewrite_argv(sys.argv[1:] if argv is None else argv), __doc__)
-    try:
-        report = run_evaluation(cfg)
-    except ParityError as exc:
-        print(f"PARITY FAILURE: {exc}", file=sys.stderr)
-        return 1
-    except (PromptError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    for name, rep in (report["variants"].items() if "variants" in report else [(None, report)]):
-        if name:
-            print(f"== {name}")
-        print(format_summary(rep))
-    return 0
+    return run_and_report(lambda: run_evaluation(cfg))
 
 
 if __name__ == "__main__":

@@ -176,12 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) < 2:
         print(USAGE, file=sys.stderr)
         return 2
-    from evaluation.prompts import PromptError
-    from evaluation.report import format_summary
-    from evaluation.runner import ParityError
+    from evaluation.cli import run_and_report
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+
+    def merge_then_report() -> dict[str, Any] | None:
         # the report's config is checked before anything is written: a bad shard config.yaml leaves
         # no merged progress.jsonl behind
         cfg = report_config(Path(args[0]), [Path(a) for a in args[1:]]) if report else None
@@ -191,24 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for shard in out["torn"]:
             print(f"note: {shard}/progress.jsonl ended in a torn line (a crash mid-write); that prompt is decoded again")
         if not report:
-            return 0
+            return None
         from evaluation.runner import run_evaluation
 
-        result = run_evaluation(cfg)
-    except ParityError as exc:
-        print(f"PARITY FAILURE: {exc}", file=sys.stderr)
-        return 1
-    except (PromptError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"error: {exc.filename or args[0]}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    for name, rep in (result["variants"].items() if "variants" in result else [(None, result)]):
-        if name:
-            print(f"== {name}")
-        print(format_summary(rep))
-    return 0
+        return run_evaluation(cfg)
+
+    return run_and_report(merge_then_report)
 
 
 if __name__ == "__main__":

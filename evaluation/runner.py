@@ -138,7 +138,14 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     in a decoder, KeyboardInterrupt), ``report.json`` / ``summary.*`` hold every prompt turn
     decoded so far (``complete`` false, ``error`` the reason, ``pending_prompts``), then the
     exception propagates; ``resume=auto`` continues from ``progress.jsonl``.
+
+    Raises:
+        core.config.ConfigError: ``eval.output_dir`` cannot become a folder to write into (checked
+            before the base loads).
     """
+    from core.config import check_output_path
+
+    check_output_path(cfg, "eval.output_dir")
     state: dict[str, Any] = {}
     try:
         return _evaluate(cfg, base, decoder, state)

@@ -262,7 +262,7 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
     """
     from safetensors.torch import save_file
 
-    from core.io import make_tmp_dir
+    from core.io import make_tmp_dir, output_dir_problem
     from heads.export_engines import VerifierError, base_embedding, resolve_verifier
 
     out = Path(out)
@@ -270,6 +270,9 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
         raise ExportError(f"--format {fmt!r}: formats are {', '.join(FORMATS)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"output {out} exists and is not an empty directory")
+    problem = output_dir_problem(out)
+    if problem is not None:
+        raise ExportError(f"output {out} cannot be written: {problem}")
     meta, state = read_checkpoint(ckpt)
     check_base(meta, base)
 

@@ -65,7 +65,7 @@ if str(ROOT) not in sys.path:
 from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
 
 from core.config import UserInputError  # noqa: E402
-from core.io import atomic_write_json  # noqa: E402
+from core.io import atomic_write_json, output_dir_problem  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "compare.yaml"
 STAGES = ("prep", "train", "eval", "summary")
@@ -86,6 +86,9 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
         if "=" not in o or OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
             raise UserInputError(f"{o!r}: not a key=value override of a key in {path.name}")
     cfg.merge_with_dotlist(list(overrides))
+    problem = output_dir_problem(str(cfg.output_dir))
+    if problem is not None:
+        raise UserInputError(f"output_dir={str(cfg.output_dir)!r} cannot be written: {problem}")
     budget = cfg.get("train_max_time")
     if budget is not None and not (isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0):
         raise UserInputError(f"train_max_time={budget!r} must be a number of seconds > 0, or null")
