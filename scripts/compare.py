@@ -64,8 +64,8 @@ if str(ROOT) not in sys.path:
 
 from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
 
-from core.config import UserInputError  # noqa: E402
-from core.io import atomic_write_json, output_dir_problem  # noqa: E402
+from core.config import UserInputError, check_output_path  # noqa: E402
+from core.io import atomic_write_json  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "compare.yaml"
 STAGES = ("prep", "train", "eval", "summary")
@@ -77,6 +77,7 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
     Raises:
         UserInputError: the file is missing, an override names an unknown key, or a value is
             invalid (the key is named).
+        core.config.ConfigError: ``output_dir`` cannot become a folder to write into.
     """
     if not path.is_file():
         raise UserInputError(f"--config {path}: file not found")
@@ -86,9 +87,7 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
         if "=" not in o or OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
             raise UserInputError(f"{o!r}: not a key=value override of a key in {path.name}")
     cfg.merge_with_dotlist(list(overrides))
-    problem = output_dir_problem(str(cfg.output_dir))
-    if problem is not None:
-        raise UserInputError(f"output_dir={str(cfg.output_dir)!r} cannot be written: {problem}")
+    check_output_path(cfg, "output_dir")
     budget = cfg.get("train_max_time")
     if budget is not None and not (isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0):
         raise UserInputError(f"train_max_time={budget!r} must be a number of seconds > 0, or null")

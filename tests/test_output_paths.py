@@ -3,6 +3,7 @@ OSError while running is one ``error:`` line naming the file (exit 2), never a t
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -37,7 +38,7 @@ def test_output_dir_problem_names_the_offending_path(tmp_path, a_file, monkeypat
 def test_output_root_through_a_file_is_refused_at_compose(a_file):
     from core.config import ConfigError, compose
 
-    with pytest.raises(ConfigError, match=rf"output_root='{a_file}/runs' cannot be written: {a_file} is a file"):
+    with pytest.raises(ConfigError, match=re.escape(f"output_root='{a_file}/runs' cannot be written: {a_file} is a file")):
         compose([f"output_root={a_file}/runs"])
     compose([f"output_root={a_file.parent}/fresh"])  # a folder still to be made is fine
 
@@ -48,9 +49,9 @@ def test_stage_output_keys_are_checked_before_the_base_loads(a_file, tmp_path):
     from evaluation.runner import run_evaluation
 
     root = f"output_root={tmp_path / 'out'}"
-    with pytest.raises(ConfigError, match=rf"prep.cache_dir='{a_file}/c' cannot be written"):
+    with pytest.raises(ConfigError, match=re.escape(f"prep.cache_dir='{a_file}/c' cannot be written")):
         prepare(compose([root, f"prep.cache_dir={a_file}/c"]), out=None)
-    with pytest.raises(ConfigError, match=rf"eval.output_dir='{a_file}/e' cannot be written"):
+    with pytest.raises(ConfigError, match=re.escape(f"eval.output_dir='{a_file}/e' cannot be written")):
         run_evaluation(compose([root, f"eval.output_dir={a_file}/e"]))
     assert not (tmp_path / "out").exists()  # nothing written
 
@@ -61,7 +62,7 @@ def test_export_and_compare_refuse_an_output_through_a_file(a_file, tmp_path):
 
     from heads.export import ExportError, export
 
-    with pytest.raises(ExportError, match=rf"output {a_file}/e cannot be written: {a_file} is a file"):
+    with pytest.raises(ExportError, match=re.escape(f"output {a_file}/e cannot be written: {a_file} is a file")):
         export(tmp_path / "no-checkpoint-needed", "vllm", a_file / "e")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "scripts/compare.py", f"output_dir={a_file}/r", "--dry-run"],
