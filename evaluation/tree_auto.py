@@ -40,6 +40,7 @@ reference drafters are left as they are (the report says so).
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -67,6 +68,22 @@ class CalibrationError(ValueError):
     """No usable held-out prompt for the calibration pass (raised before any decoding)."""
 
 
+@functools.lru_cache(maxsize=4)
+def _heldout_scan(data_json: str) -> tuple:
+    from data_prep.pipeline import heldout_prompts
+
+    return tuple(heldout_prompts(OmegaConf.create(json.loads(data_json))))
+
+
+def _heldout_prompts(data_cfg) -> tuple:
+    """Every held-out first turn of ``data_cfg``'s sources, read once per process: the scan reads
+    the whole dataset (about 4 s for the packaged ShareGPT), and each variant of an evaluation
+    plans its tree from the same prompts."""
+    from core.config import to_container
+
+    return _heldout_scan(json.dumps(to_container(data_cfg), sort_keys=True, default=str))
+
+
 def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:
     """Held-out ShareGPT first turns for calibration, the last ``count`` usable ones of the split,
     excluding every evaluation prompt.
@@ -81,7 +98,6 @@ def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:
     Raises:
         CalibrationError: none is usable (all excluded or over-long, or the held-out split is empty).
     """
-    from data_prep.pipeline import heldout_prompts
     from evaluation.prompts import Prompt, template
 
     banned_ids = {p.id for p in eval_prompts}
@@ -91,7 +107,7 @@ def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:
     seen = 0
     # from the END of the held-out split: evaluations on held-out ShareGPT take its first prompts, so every shard
     # of a sharded evaluation (eval.prompt_offset) calibrates on the same prompts, none of them evaluated
-    for pid, messages in reversed(list(heldout_prompts(cfg.data))):
+    for pid, messages in reversed(_heldout_prompts(cfg.data)):
         seen += 1
         if pid in banned_ids:
             continue

@@ -69,6 +69,9 @@ from core.io import atomic_write_json  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "compare.yaml"
 STAGES = ("prep", "train", "eval", "summary")
+# the data keys that decide which conversations are held out: every stage must see the same values
+SPLIT_DATA_KEYS = ("data.path", "data.sources", "data.split", "data.format", "data.reader", "data.encoding",
+                   "data.heldout_fraction", "data.split_salt", "data.split_key")
 
 
 def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
@@ -98,6 +101,13 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
     if not isinstance(prep, (ListConfig, DictConfig)) or (isinstance(prep, DictConfig) and not prep):
         raise UserInputError("prep must be a list of data_prep overrides (one cache) or a non-empty map "
                              "{cache name: [overrides]}")
+    for name, overrides in ([("prep", prep)] if isinstance(prep, ListConfig) else
+                            [(f"prep.{n}", v) for n, v in prep.items()]):
+        split_keys = [o for o in overrides if str(o).split("=", 1)[0] in SPLIT_DATA_KEYS]
+        if split_keys:  # evaluation reads the held-out split too (auto-tree calibration, held-out prompts)
+            raise UserInputError(f"{name}: {', '.join(map(str, split_keys))} define the train/held-out split, which "
+                                 "evaluation reads as well (calibration prompts are held-out conversations): put "
+                                 "them in common so every stage sees the same split")
     for key in ("shards", "repeats", "prompts_per_category", "timing_per_category", "max_new_tokens"):
         v = cfg.eval[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -124,9 +124,11 @@ def test_gamma_zero_sampling_matches_the_exact_second_token_marginal(setup):
     freq, st = _second_tokens(AdaDecodeDecoder(model, head, **kw), prompt, n)
     assert st["rejected_exits"] > 0.2 * n and st["accepted_exits"] > 0.1 * n  # both paths exercised
     assert not _chi2_rejects(freq * n, exact_x2)
-    for broken in (_AlwaysAccept, _ResampleFromTarget):  # the test has the power to see both bugs
-        bad, _ = _second_tokens(broken(model, head, **kw), prompt, n)
-        assert _chi2_rejects(bad * n, exact_x2), broken.__name__
+    # the test has the power to see both bugs: accepting every draft is gross (χ² ≈ 65-90× its quantile at
+    # 300-500 samples over seeds 0-2), so 400 samples show it; the residual bug is subtle (1.2-1.8× at 1500)
+    for broken, m in ((_AlwaysAccept, 400), (_ResampleFromTarget, n)):
+        bad, _ = _second_tokens(broken(model, head, **kw), prompt, m)
+        assert _chi2_rejects(bad * m, exact_x2), broken.__name__
     # vanilla ancestral sampling passes the same test
     g = torch.Generator().manual_seed(0)
     van = torch.zeros_like(freq)

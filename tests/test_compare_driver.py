@@ -27,9 +27,10 @@ def tiny_setup(tmp_path, tiny_model_dir):
     cfg = yaml.safe_load((ROOT / "configs" / "compare.yaml").read_text())
     cfg.update(
         output_dir=str(tmp_path / "cmp"),
-        common=[f"model.path={tiny_model_dir}", "model.attn_implementation=eager"],
-        prep=["labels=teacher_forced", f"data.path={data}", "data.max_conversations=null", "data.heldout_fraction=0.25",
-              "data.max_length=96", "prep.shard_size=4", "prep.batch_tokens=400", "model.dtype=float32"],
+        common=[f"model.path={tiny_model_dir}", "model.attn_implementation=eager", f"data.path={data}",
+                "data.heldout_fraction=0.25"],  # the split: every stage's, evaluation's calibration included
+        prep=["labels=teacher_forced", "data.max_conversations=null", "data.max_length=96", "prep.shard_size=4",
+              "prep.batch_tokens=400", "model.dtype=float32"],
         train_max_time=2,
         train=["train.batch_size=4", "train.max_steps=1000", "train.val_every_n_steps=2", "train.logger=csv",
                "train.sanity_val_steps=0", "train.accelerator=cpu", "train.devices=1", "train.scheduler.warmup_steps=1",
@@ -118,6 +119,15 @@ def test_compare_driver_bad_config_is_one_line_error(tiny_setup, capsys):
     assert compare.main(["--config", str(config), "nope=1"]) == 2
     assert "'nope=1': not a key=value override" in capsys.readouterr().err
     assert compare.main(["--config", str(config), "heads_to_run=[notyet]"]) == 2
+    # a split key in one stage's overrides only: evaluation would calibrate on another dataset's held-out split
+    for prep in (["labels=teacher_forced", "data.heldout_fraction=0.1"], {"tf": ["data.path=other.json"]}):
+        cfg = yaml.safe_load(config.read_text())
+        cfg["prep"] = prep
+        config.write_text(yaml.safe_dump(cfg))
+        assert compare.main(["--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert "define the train/held-out split" in err and "put them in common" in err, err
+        assert ("prep: data.heldout_fraction=0.1" if isinstance(prep, list) else "prep.tf: data.path=other.json") in err
     assert not out.exists()  # nothing written before the configuration is valid
 
 
