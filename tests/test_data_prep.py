@@ -20,15 +20,19 @@ WORDS = ["The quick brown fox", "jumps over the lazy dog.", "Hello! How can I he
          "Speculative decoding drafts several tokens", "and verifies them in one forward pass."]
 
 
-def _conversations(n: int) -> list[dict]:
+def _conversations(n: int, prompt_phrases=lambda i: 1 + i % 2, bad_record: bool = True) -> list[dict]:
+    """``n`` ShareGPT records ``conv-<i>`` of 1-3 turns; a prompt of conversation i has
+    ``prompt_phrases(i)`` phrases of :data:`WORDS`; ``bad_record`` inserts one that starts with
+    the assistant (dropped by the record checks) at position 3."""
     out = []
     for i in range(n):
         turns = []
         for j in range(1 + i % 3):
-            turns.append({"from": "human", "value": " ".join(WORDS[(i + j + k) % len(WORDS)] for k in range(1 + i % 2))})
+            turns.append({"from": "human", "value": " ".join(WORDS[(i + j + k) % len(WORDS)] for k in range(prompt_phrases(i)))})
             turns.append({"from": "gpt", "value": " ".join(WORDS[(2 * i + j + k) % len(WORDS)] for k in range(1 + (i + j) % 4))})
         out.append({"id": f"conv-{i}", "conversations": turns})
-    out.insert(3, {"id": "bad", "conversations": [{"from": "gpt", "value": "starts with gpt"}]})
+    if bad_record:
+        out.insert(3, {"id": "bad", "conversations": [{"from": "gpt", "value": "starts with gpt"}]})
     return out
 
 

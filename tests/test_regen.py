@@ -18,22 +18,12 @@ from data_prep import pipeline
 from data_prep.cache import CacheReader, default_cache_dir
 from data_prep.labels import regenerate
 from data_prep.template import end_of_turn_ids, segment_conversation
-
-WORDS = ["The quick brown fox", "jumps over the lazy dog.", "Hello! How can I help you today?",
-         "Please write a short poem about the sea.", "def add(a, b):", "return a + b", "1 2 3 4 5",
-         "Speculative decoding drafts several tokens", "and verifies them in one forward pass."]
+from tests.test_data_prep import _conversations as data_prep_conversations
 
 
 def _conversations(n: int) -> list[dict]:
-    """Conversations of 1-3 turns whose prompts have very different lengths."""
-    out = []
-    for i in range(n):
-        turns = []
-        for j in range(1 + i % 3):
-            turns.append({"from": "human", "value": " ".join(WORDS[(i + j + k) % len(WORDS)] for k in range(1 + (i * 5) % 4))})
-            turns.append({"from": "gpt", "value": " ".join(WORDS[(2 * i + j + k) % len(WORDS)] for k in range(1 + (i + j) % 4))})
-        out.append({"id": f"conv-{i}", "conversations": turns})
-    return out
+    """Conversations of 1-3 turns whose prompts have very different lengths (1-4 phrases)."""
+    return data_prep_conversations(n, prompt_phrases=lambda i: 1 + (i * 5) % 4, bad_record=False)
 
 
 @pytest.fixture(scope="module")
