@@ -69,7 +69,7 @@ class CalibrationError(ValueError):
 
 
 @functools.lru_cache(maxsize=4)
-def _heldout_scan(data_json: str) -> tuple:
+def _heldout_scan(data_json: str, files: tuple) -> tuple:
     from data_prep.pipeline import heldout_prompts
 
     return tuple(heldout_prompts(OmegaConf.create(json.loads(data_json))))
@@ -78,10 +78,15 @@ def _heldout_scan(data_json: str) -> tuple:
 def _heldout_prompts(data_cfg) -> tuple:
     """Every held-out first turn of ``data_cfg``'s sources, read once per process: the scan reads
     the whole dataset (about 4 s for the packaged ShareGPT), and each variant of an evaluation
-    plans its tree from the same prompts."""
+    plans its tree from the same prompts.  A local source file that changed (size or mtime) is
+    read again."""
     from core.config import to_container
 
-    return _heldout_scan(json.dumps(to_container(data_cfg), sort_keys=True, default=str))
+    data = to_container(data_cfg)
+    paths = [data.get("path")] + [s.get("path") for s in data.get("sources") or [] if isinstance(s, dict)]
+    files = tuple((str(p), st.st_size, st.st_mtime_ns) for p in paths if p and Path(str(p)).is_file()
+                  for st in [Path(str(p)).stat()])
+    return _heldout_scan(json.dumps(data, sort_keys=True, default=str), files)
 
 
 def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:

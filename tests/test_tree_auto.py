@@ -382,3 +382,27 @@ def test_tree_fallback_decodes_without_a_tree_only_when_every_tree_is_slower(tin
     cheap = reps["cheap"]["tree"]["chosen"]
     assert "fallback" not in cheap and cheap["nodes"] > 1 and cheap["speedup"] > 1.0
     assert "no tree" in tree_auto.describe(dear["tree"]) and "no tree" not in tree_auto.describe(reps["cheap"]["tree"])
+
+
+def test_calibration_prompts_are_the_split_end_read_once_and_again_after_an_edit(tiny_base, tiny_model_dir, tmp_path,
+                                                                                 sharegpt, monkeypatch):
+    """The last held-out conversations, evaluation prompts excluded; the dataset is scanned once per
+    process for every variant's plan, and again when its file changes."""
+    import evaluation.tree_auto as tree_auto
+    from data_prep import front, pipeline
+    from evaluation.prompts import Prompt, template
+
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "ctc")
+    heldout = [pid for pid, _ in front.heldout_prompts(cfg.data)]
+    assert len(heldout) >= 6
+    scans = []
+    real = pipeline.heldout_prompts
+    monkeypatch.setattr(pipeline, "heldout_prompts", lambda data_cfg: scans.append(1) or real(data_cfg))
+    tok = tiny_base[1]
+    banned = Prompt(heldout[-2], [{"role": "user", "content": "x"}], template(tok, [{"role": "user", "content": "x"}]))
+    first = [p.id for p in tree_auto.calibration_prompts(cfg, tok, [banned], 3)]
+    assert first == [heldout[-1], heldout[-3], heldout[-4]]
+    assert [p.id for p in tree_auto.calibration_prompts(cfg, tok, [], 2)] == heldout[::-1][:2] and len(scans) == 1
+    convs = json.loads(sharegpt.read_text())
+    sharegpt.write_text(json.dumps([c for c in convs if c["id"] != heldout[-1]]))  # edited: its last one removed
+    assert [p.id for p in tree_auto.calibration_prompts(cfg, tok, [], 2)] == heldout[::-1][1:3] and len(scans) == 2
