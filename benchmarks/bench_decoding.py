@@ -16,7 +16,8 @@ What it measures (all greedy, batch size 1, same prompts, same process, interlea
   dtype of ``--dtypes`` (issue 26's fp32 against bf16 table: the dtypes interleaved round by round
   on one copy of the weights each, best median per n kept, so load hits both alike);
   ``--dtypes float32,float32:prepacked`` compares ``F.linear`` with oneDNN-prepacked weights
-  (:mod:`decoding.prepacked`, what ``eval.prepack_weights=auto`` does to an fp32 base).
+  (:mod:`decoding.prepacked`, what ``eval.prepack_weights=auto`` does to an fp32 base, and to a bf16
+  base on a CPU with AMX: ``bfloat16:prepacked``).
 
 Outputs must equal vanilla on every prompt (checked; a mismatch exits 1).
 
@@ -131,7 +132,7 @@ def cost_table(model, ident, sizes, args) -> dict:
     rounds of :func:`tree_forward_ms` alternating the dtypes; per dtype and n the lowest median."""
     import copy
 
-    from decoding.prepacked import prepack_linear_weights
+    from decoding.prepacked import ROW_CONSISTENT_DTYPES, prepack_linear_weights, prepack_row_consistent
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     models = {}
@@ -140,8 +141,10 @@ def cost_table(model, ident, sizes, args) -> dict:
         if variant not in ("", "prepacked"):
             raise SystemExit(f"--dtypes entry {d!r}: expected <dtype> or <dtype>:prepacked")
         m = model if d == "float32" else copy.deepcopy(model).to(getattr(torch, name))
-        if variant and not prepack_linear_weights(m, dtypes=(m.dtype,)):
-            raise SystemExit(f"--dtypes entry {d!r}: this torch build cannot prepack linear weights")
+        # bf16 / fp16: packed for every row count where row-consistent (what eval.prepack_weights does to them)
+        pack = prepack_row_consistent if m.dtype in ROW_CONSISTENT_DTYPES else prepack_linear_weights
+        if variant and not pack(m, dtypes=(m.dtype,)):
+            raise SystemExit(f"--dtypes entry {d!r}: this CPU cannot prepack (row-consistently) {name} linear weights")
         models[d] = m
     best: dict[str, dict[int, float]] = {d: {} for d in dtypes}
     for _ in range(max(int(args.rounds), 1)):

@@ -150,8 +150,10 @@ def measure_verify_ms(model, sizes: Sequence[int], context_tokens: int = 256, re
 
 def cost_key(identity, model, sizes: Sequence[int], context_tokens: int, repeats: int) -> dict[str, Any]:
     """What a measurement depends on: base identity, device, dtype, intra-op threads, OpenMP's wait
-    policy, grid, context, and (key present only then) the ``min_rows`` of prepacked linear weights
-    (:mod:`decoding.prepacked`: a packed base verifies faster, so its c(n) is its own).
+    policy, grid, context, and (keys present only then) the ``min_rows`` of prepacked linear weights and
+    the layers and chunk rows of row-consistent packing (:mod:`decoding.prepacked`: a packed base
+    verifies faster, so its c(n) is its own), and the attention implementation when it is not
+    ``eager`` (sdpa's verification costs differ).
 
     ``omp_wait_policy`` is ``$OMP_WAIT_POLICY`` upper-cased (None when unset): with ``PASSIVE`` a
     2-thread verification forward measured 2.2x slower on this project's 2-core CPU (c(1) 133 against
@@ -167,10 +169,15 @@ def cost_key(identity, model, sizes: Sequence[int], context_tokens: int, repeats
            "threads": int(torch.get_num_threads()), "omp_wait_policy": omp_wait_policy(),
            "sizes": [int(n) for n in sizes],
            "context_tokens": int(context_tokens), "repeats": int(repeats), "torch": torch.__version__}
-    from decoding.prepacked import prepacked_min_rows
+    from decoding.prepacked import prepacked_chunks, prepacked_min_rows
 
     if (rows := prepacked_min_rows(model)) is not None:  # present only when packed: older files stay valid
         key["prepacked_min_rows"] = rows
+    if (chunks := prepacked_chunks(model)) is not None:  # bf16 packed for every row count: layers, chunk rows
+        key["prepacked_chunks"] = list(chunks)
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if attention not in (None, "eager"):  # sdpa verifies at another cost; absent for eager: older files stay valid
+        key["attention"] = attention
     return key
 
 

@@ -41,6 +41,9 @@ PAD_DTYPES = (torch.bfloat16, torch.float16)
 PROBE_ELEMENTS = 65536
 
 _PADDED = "_draftheads_one_row_padded"
+#: set by a layer whose products are row-consistent by construction (decoding.prepacked packs a bf16
+#: layer for every row count only where its packed one-row product equals its many-row rows): never padded
+ROW_CONSISTENT = "_draftheads_row_consistent"
 
 
 def one_row_differs(weight: torch.Tensor, bias: torch.Tensor | None = None, elements: int = PROBE_ELEMENTS,
@@ -83,7 +86,9 @@ def pad_one_row_products(model: torch.nn.Module, dtypes=PAD_DTYPES) -> list[str]
 
     Each distinct (weight shape, bias, dtype, device) of the model's ``nn.Linear`` layers in
     ``dtypes`` on a CPU is probed once (:func:`one_row_differs`, with that layer's weights); the
-    layers of a differing shape get :func:`_padded_forward` as their instance ``forward``.  Idempotent;
+    layers of a differing shape get :func:`_padded_forward` as their instance ``forward``.  Layers
+    marked :data:`ROW_CONSISTENT` (bf16 weights prepacked for every row count,
+    :func:`decoding.prepacked.prepack_row_consistent`) are left alone.  Idempotent;
     :func:`restore_one_row_products` undoes it.
 
     Returns:
@@ -100,6 +105,8 @@ def pad_one_row_products(model: torch.nn.Module, dtypes=PAD_DTYPES) -> list[str]
             continue
         if getattr(mod, _PADDED, False):
             padded.append(name)
+            continue
+        if getattr(mod, ROW_CONSISTENT, False):
             continue
         key = (tuple(w.shape), mod.bias is not None, w.dtype, str(w.device))
         if key not in verdict:

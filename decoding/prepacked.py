@@ -22,11 +22,23 @@ Numerics: a packed product rounds differently from ``F.linear`` over the same ro
 verification already lives with).  Losslessness is judged where it always is: fp32 parity of the
 evaluation's tokens against vanilla greedy decoding.
 
-Only fp32 layers are packed (:data:`PACK_DTYPES`): bf16 / fp16 verification must keep the kernel of
-:func:`decoding.numerics.pad_one_row_products` (the one-token step computed as two rows of the same
-``F.linear``), which a packed many-row product would no longer match.  Products that need
-gradients run ``F.linear``; a weight changed after packing (or a deep-copied module) is repacked at
-its next many-row product.
+:func:`prepack_linear_weights` packs fp32 layers only (:data:`PACK_DTYPES`): bf16 / fp16 verification
+must keep the kernel of :func:`decoding.numerics.pad_one_row_products` (the one-token step computed
+as two rows of the same ``F.linear``), which a packed many-row product alone would no longer match.
+
+**bf16 for every row count** (:func:`prepack_row_consistent`).  On a CPU with AMX (issue 27, an Intel
+Xeon with ``amx_bf16``; torch 2.13), oneDNN's packed bf16 product over one row equals the same row of
+its products over 2, 9 or 16 rows bit for bit, and equals ``F.linear``'s many-row product; it is also
+the fastest bf16 kernel there at every row count (SmolLM2's 576 -> 1536 projection: 25 us over one row
+against 58 us for ``F.linear``, 31 against 82 us over 16 rows; docs/precision.md "bf16 on a CPU with
+AMX").  There a bf16 layer is packed for *every* product, one-token steps included, wherever a probe of
+its weight shape (:func:`consistent_rows`) finds the packed products row-consistent up to R rows (32
+there: from 33 rows oneDNN blocks differently), and a product over more rows is computed in chunks of
+at most R: vanilla's step and verification's rows then run one kernel, with no two-row padding.  A layer
+whose packed products are not row-consistent is left to :mod:`decoding.numerics`.
+
+Products that need gradients run ``F.linear``; a weight changed after packing (or a deep-copied module)
+is repacked at its next packed product.
 """
 from __future__ import annotations
 
@@ -37,12 +49,15 @@ import types
 import torch
 import torch.nn.functional as F
 
-from decoding.numerics import is_one_row_padded
+from decoding.numerics import ROW_CONSISTENT, is_one_row_padded
 
 log = logging.getLogger(__name__)
 
-#: weight dtypes that are packed (bf16 / fp16 keep decoding.numerics' row-consistent kernels)
+#: weight dtypes that prepack_linear_weights packs for many-row products (bf16 / fp16 keep
+#: decoding.numerics' row-consistent kernels, or are packed for every row count by prepack_row_consistent)
 PACK_DTYPES = (torch.float32,)
+#: weight dtypes prepack_row_consistent packs for every row count, where that is row-consistent
+ROW_CONSISTENT_DTYPES = (torch.bfloat16, torch.float16)
 #: inputs of at least this many rows use the packed weights: M <= 2 runs MKL's matrix-vector kernel,
 #: which packing did not speed up on the Intel machine (the packed one-token step was not faster).
 #: On the AMD EPYC MKL's M = 2 kernel is slow (c(2) 1.68x c(1), docs/precision.md), but there bf16 is
@@ -105,13 +120,14 @@ class _PackState:
     that may be packed.  A deep copy of the module (``copy.deepcopy``: oneDNN tensors have no storage
     to copy) carries no packed weight; the copy repacks its own weight at its first many-row product."""
 
-    __slots__ = ("packed", "min_rows", "stamp", "dtypes")
+    __slots__ = ("packed", "min_rows", "stamp", "dtypes", "chunk_rows")
 
-    def __init__(self, packed, min_rows: int, stamp, dtypes) -> None:
+    def __init__(self, packed, min_rows: int, stamp, dtypes, chunk_rows: int | None = None) -> None:
         self.packed, self.min_rows, self.stamp, self.dtypes = packed, min_rows, stamp, tuple(dtypes)
+        self.chunk_rows = chunk_rows
 
     def __deepcopy__(self, memo) -> "_PackState":
-        return _PackState(None, self.min_rows, None, self.dtypes)
+        return _PackState(None, self.min_rows, None, self.dtypes, self.chunk_rows)
 
     def repack(self, weight: torch.Tensor) -> None:
         with torch.no_grad():
@@ -133,7 +149,12 @@ def _prepacked_forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w, self.bias)
     if state.stamp != _weight_stamp(w):
         state.repack(w)
-    y = _packed_linear(x.reshape(rows, x.shape[-1]).contiguous(), state.packed, self.bias)
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    step = state.chunk_rows
+    if step and rows > step:  # row-consistent packing: every chunk runs the kernel a one-row product runs
+        y = torch.cat([_packed_linear(flat[i:i + step], state.packed, self.bias) for i in range(0, rows, step)])
+    else:
+        y = _packed_linear(flat, state.packed, self.bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -169,13 +190,7 @@ def prepack_linear_weights(model: torch.nn.Module, min_rows: int = MIN_ROWS, dty
         w = mod.weight
         if w.dtype not in packable or w.device.type != "cpu" or is_one_row_padded(mod):
             continue
-        state = getattr(mod, _PACKED, None)
-        if state is None or state.min_rows != int(min_rows) or state.dtypes != packable:
-            state = _PackState(None, int(min_rows), None, packable)
-            setattr(mod, _PACKED, state)
-            mod.forward = types.MethodType(_prepacked_forward, mod)
-        if state.stamp != _weight_stamp(w):
-            state.repack(w)
+        _install(mod, int(min_rows), packable)
         packed.append(name)
     if packed:
         log.info("%d linear layer(s) compute inputs of >= %d rows with oneDNN-prepacked weights "
@@ -183,12 +198,116 @@ def prepack_linear_weights(model: torch.nn.Module, min_rows: int = MIN_ROWS, dty
     return packed
 
 
+def _install(mod: torch.nn.Linear, min_rows: int, dtypes: tuple, chunk_rows: int | None = None) -> None:
+    """Give ``mod`` the packed ``forward`` for inputs of >= ``min_rows`` rows of ``dtypes`` (computed in
+    chunks of at most ``chunk_rows`` rows when set), packed now."""
+    state = getattr(mod, _PACKED, None)
+    if state is None or state.min_rows != min_rows or state.dtypes != dtypes or state.chunk_rows != chunk_rows:
+        state = _PackState(None, min_rows, None, dtypes, chunk_rows)
+        setattr(mod, _PACKED, state)
+        mod.forward = types.MethodType(_prepacked_forward, mod)
+    if state.stamp != _weight_stamp(mod.weight):
+        state.repack(mod.weight)
+
+
+#: the largest product (rows) probed for row consistency: the largest verification tree of eval.tree_grid
+MAX_CONSISTENT_ROWS = 64
+
+
+def consistent_rows(weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int = MAX_CONSISTENT_ROWS,
+                    seed: int = 0) -> int:
+    """The largest R <= ``max_rows`` such that oneDNN's packed product over any M <= R rows equals,
+    row for row and bit for bit, the packed products over one row each.
+
+    On the AMX CPU of issue 27 it is 32 for every SmolLM2 shape: from 33 rows oneDNN takes another
+    blocking.  A product over more than R rows is therefore computed as chunks of at most R rows
+    (:func:`_prepacked_forward`), which keeps every row equal to its one-row product.
+
+    Args:
+        weight: [N, K] on the CPU, in the dtype to probe; bias: [N] or None.
+        max_rows: the most rows probed.
+        seed: of the random probe inputs (standard normal, cast to ``weight.dtype``; the kernel's
+            summation order depends on the shapes only).
+
+    Returns:
+        R, or 1 when already two rows differ or the packed product cannot run (a RuntimeError).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(int(max_rows), weight.shape[1], generator=gen).to(weight.dtype)
+    try:
+        with torch.no_grad():
+            packed = _reorder(weight.detach())
+            one = torch.cat([_packed_linear(x[i:i + 1].contiguous(), packed, bias) for i in range(int(max_rows))])
+            for m in range(2, int(max_rows) + 1):
+                if not torch.equal(_packed_linear(x[:m].contiguous(), packed, bias), one[:m]):
+                    return m - 1
+    except RuntimeError as exc:
+        log.info("oneDNN's packed %s product over %s failed (%s)", weight.dtype, tuple(weight.shape),
+                 str(exc).splitlines()[0])
+        return 1
+    return int(max_rows)
+
+
+def prepack_row_consistent(model: torch.nn.Module, dtypes=ROW_CONSISTENT_DTYPES,
+                           max_rows: int = MAX_CONSISTENT_ROWS) -> list[str]:
+    """Pack ``model``'s bf16 / fp16 CPU linear weights for **every** product, one-token steps included,
+    computed so that each row equals its one-row product (module docstring, "bf16 for every row count").
+
+    Each distinct (weight shape, bias, dtype) is probed once with that layer's weights
+    (:func:`consistent_rows`, up to ``max_rows``); a layer whose products agree up to R >= 2 rows gets
+    the packed ``forward`` with ``min_rows = 1`` and chunks of at most R rows, and the
+    :data:`decoding.numerics.ROW_CONSISTENT` mark, so :func:`decoding.numerics.pad_one_row_products`
+    (called after) leaves it alone.  Layers already padded by it, of another dtype, off the CPU, or of
+    a dtype this CPU cannot pack (:func:`can_pack`) are skipped.
+
+    Returns:
+        The packed layers' names (empty without oneDNN).  Idempotent; :func:`restore_linear_weights`
+        undoes it.
+    """
+    if not available():
+        return []
+    verdict: dict[tuple, int] = {}
+    packed = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        w = mod.weight
+        if w.dtype not in dtypes or w.device.type != "cpu" or is_one_row_padded(mod) or not can_pack(w.dtype):
+            continue
+        key = (tuple(w.shape), mod.bias is not None, w.dtype)
+        if key not in verdict:
+            verdict[key] = consistent_rows(w, mod.bias, max_rows)
+        if verdict[key] < 2:
+            continue
+        _install(mod, 1, (w.dtype,), chunk_rows=verdict[key])
+        setattr(mod, ROW_CONSISTENT, True)
+        packed.append(name)
+    refused = sorted({f"{k[0][1]}->{k[0][0]}" for k, r in verdict.items() if r < 2})
+    chunks = sorted({r for r in verdict.values() if r >= 2})
+    if packed:
+        log.info("%d %s linear layer(s) compute every product with oneDNN-prepacked weights, in chunks of <= %s rows "
+                 "(row-consistent: decoding.prepacked)%s", len(packed), str(_model_dtype(model)).replace("torch.", ""),
+                 "/".join(map(str, chunks)), f"; not packed, rows differ: {', '.join(refused)}" if refused else "")
+    elif refused:
+        log.info("oneDNN's packed products are not row-consistent for linear layers %s (in-out): not packed",
+                 ", ".join(refused))
+    return packed
+
+
+def _model_dtype(model: torch.nn.Module):
+    """The dtype of ``model``'s first parameter (None without parameters)."""
+    return next((p.dtype for p in model.parameters()), None)
+
+
 def restore_linear_weights(model: torch.nn.Module) -> None:
-    """Undo :func:`prepack_linear_weights` on ``model`` (drops the packed copies)."""
+    """Undo :func:`prepack_linear_weights` and :func:`prepack_row_consistent` on ``model`` (drops the
+    packed copies)."""
     for mod in model.modules():
         if getattr(mod, _PACKED, None) is not None:
             del mod.forward
             delattr(mod, _PACKED)
+            if getattr(mod, ROW_CONSISTENT, False):
+                delattr(mod, ROW_CONSISTENT)
 
 
 def prepacked_min_rows(model: torch.nn.Module) -> int | None:
@@ -198,3 +317,12 @@ def prepacked_min_rows(model: torch.nn.Module) -> int | None:
         if state is not None:
             return int(state.min_rows)
     return None
+
+
+def prepacked_chunks(model: torch.nn.Module) -> tuple[int, int] | None:
+    """``(layers, rows)`` of ``model``'s layers packed for every row count in chunks of at most ``rows``
+    (:func:`prepack_row_consistent`; the smallest chunk when they differ), or None when there are none
+    (a cost-model key)."""
+    rows = [getattr(m, _PACKED).chunk_rows for m in model.modules()
+            if getattr(m, _PACKED, None) is not None and getattr(m, _PACKED).chunk_rows]
+    return (len(rows), min(rows)) if rows else None

@@ -114,12 +114,20 @@ def row_consistent_products(model, ev) -> list[str]:
 
 
 def prepacked_products(model, ev) -> list[str]:
-    """``eval.prepack_weights`` (default ``auto``): on an fp32 base on a CPU, every linear layer keeps a
-    copy of its weight reordered once for oneDNN, which products of >= 3 rows (verification, prefill)
-    use; one-token steps keep their kernel, so vanilla decoding is untouched
-    (:func:`decoding.prepacked.prepack_linear_weights`; docs/precision.md "Prepacked verification
-    weights").  Applies to ``model`` itself.  ``true`` requires it (fp32 on a CPU with oneDNN),
-    ``false`` turns it off.
+    """``eval.prepack_weights`` (default ``auto``): linear weights reordered once for oneDNN
+    (:mod:`decoding.prepacked`; docs/precision.md "Prepacked verification weights" and "bf16 on a CPU
+    with AMX").  Applies to ``model`` itself, before :func:`row_consistent_products`.
+
+    * an fp32 base on a CPU: products of >= 3 rows (verification, prefill) use the packed weights;
+      one-token steps keep their kernel, so fp32 vanilla decoding is untouched
+      (:func:`decoding.prepacked.prepack_linear_weights`);
+    * a bf16 / fp16 base on a CPU: every product of a layer whose packed products are row-consistent
+      uses them, one-token steps included, so vanilla and verification still run one kernel
+      (:func:`decoding.prepacked.prepack_row_consistent`).  ``auto`` does this where bf16 is native
+      through AMX (:func:`core.precision.cpu_has_amx`), where it was measured to be the fastest bf16
+      kernel; ``true`` does it on any CPU whose oneDNN packs the dtype.
+
+    ``true`` requires packing to apply, ``false`` turns it off.
 
     Returns:
         The packed layers' names ([] when off or not applicable).
@@ -127,7 +135,9 @@ def prepacked_products(model, ev) -> list[str]:
     Raises:
         ValueError: ``eval.prepack_weights`` is not auto/true/false, or is true where it cannot apply.
     """
-    from decoding.prepacked import PACK_DTYPES, available, can_pack, prepack_linear_weights
+    from core.precision import bf16_support, cpu_has_amx
+    from decoding.prepacked import (PACK_DTYPES, ROW_CONSISTENT_DTYPES, available, can_pack, prepack_linear_weights,
+                                    prepack_row_consistent)
     from decoding.verify import model_device
     from evaluation.config_checks import prepack_mode
 
@@ -136,13 +146,24 @@ def prepacked_products(model, ev) -> list[str]:
         raise ValueError(f"eval.prepack_weights={ev.get('prepack_weights')!r}: use auto, true or false")
     if mode == "false":
         return []
-    applies = model_device(model).type == "cpu" and model.dtype in PACK_DTYPES and can_pack(model.dtype)
-    if not applies:
+    device = model_device(model)
+    packs = device.type == "cpu" and model.dtype in PACK_DTYPES + ROW_CONSISTENT_DTYPES and can_pack(model.dtype)
+    if packs and model.dtype in ROW_CONSISTENT_DTYPES and mode == "auto":
+        packs = bf16_support(device).native and cpu_has_amx()
+        if not packs:
+            return []
+    if not packs:
         if mode == "true":
-            raise ValueError(f"eval.prepack_weights=true needs an fp32 base on a CPU with oneDNN; this base is "
-                             f"{_dtype_name(model.dtype)} on {model_device(model)} (oneDNN: {available()}, "
+            raise ValueError(f"eval.prepack_weights=true needs a CPU base whose oneDNN packs its dtype; this base is "
+                             f"{_dtype_name(model.dtype)} on {device} (oneDNN: {available()}, "
                              f"packs {_dtype_name(model.dtype)}: {can_pack(model.dtype)})")
         return []
+    if model.dtype in ROW_CONSISTENT_DTYPES:
+        names = prepack_row_consistent(model)
+        if mode == "true" and not names:
+            raise ValueError(f"eval.prepack_weights=true: oneDNN's packed {_dtype_name(model.dtype)} products are "
+                             "not row-consistent on this CPU for any linear layer (decoding.prepacked)")
+        return names
     return prepack_linear_weights(model)
 
 

@@ -213,8 +213,10 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
         base = load_base_model(model_cfg)
     model, tokenizer, identity = base
     model.to(device)
-    row_padded = row_consistent_products(model, ev)  # bf16 on a CPU: one-token steps round as verification does
-    prepacked = prepacked_products(model, ev)  # fp32 on a CPU: many-row products without per-call weight packing
+    # fp32 on a CPU: many-row products without per-call weight packing; bf16 on an AMX CPU: every product packed,
+    # where that is row-consistent; then the bf16 layers left unpacked round one-token steps as verification does
+    prepacked = prepacked_products(model, ev)
+    row_padded = row_consistent_products(model, ev)
     eos_ids = eos_token_ids(tokenizer, model)
     methods = []  # (name, cfg, decoder, info)
     if decoder is not None:

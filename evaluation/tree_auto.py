@@ -513,6 +513,8 @@ def _acceptance_and_cost(cost: CostModel, setup, head, head_type: str, info, ev,
     threads = str(cost.key["threads"]) + (f"/{cost.key['omp_wait_policy']}" if cost.key.get("omp_wait_policy") else "")
     if cost.key.get("prepacked_min_rows"):  # a drafter that runs the base's layers over several rows is faster too
         threads += f"/prepacked{cost.key['prepacked_min_rows']}"
+    if cost.key.get("prepacked_chunks"):  # bf16 packed for every row count: the drafter's one-row steps too
+        threads += "/chunks{}x{}".format(*cost.key["prepacked_chunks"])
     stats, costs, saved, cached = None, {}, None, False
     if path.is_file():
         try:

@@ -190,11 +190,18 @@ def test_near_tie_rule_boundary():
     assert classify(0, None, [0, 20.0, 3, 19.9], None, None, BF16)["class"] == "real_error"
 
 
-def test_row_consistent_one_token_steps_equal_verification_rows(tiny_model_dir):
-    """With ``pad_one_row_products`` (eval.row_consistent, the default) every row of a bf16
-    verification forward equals the one-token step of vanilla decoding bit for bit."""
+@pytest.mark.parametrize("kernels", ["padded", "prepacked"])
+def test_row_consistent_one_token_steps_equal_verification_rows(tiny_model_dir, kernels):
+    """With ``pad_one_row_products`` (eval.row_consistent, the default), or with bf16 weights packed
+    for every row count first (eval.prepack_weights on an AMX CPU), every row of a bf16 verification
+    forward equals the one-token step of vanilla decoding bit for bit."""
+    from decoding import prepacked
+
     torch.set_num_threads(1)
     m, _, _ = load_base_model({"path": str(tiny_model_dir), "dtype": "bfloat16", "attn_implementation": "eager"})
+    if kernels == "prepacked":
+        if not prepacked.can_pack(torch.bfloat16) or not prepacked.prepack_row_consistent(m):
+            pytest.skip("oneDNN's packed bf16 products are not available or not row-consistent on this CPU")
     pad_one_row_products(m)
     try:
         ids = torch.randint(3, 384, (12,), generator=torch.Generator().manual_seed(1))
@@ -230,6 +237,7 @@ def test_row_consistent_one_token_steps_equal_verification_rows(tiny_model_dir):
                 assert torch.equal(res.logits[node], steps[t + i]), (t, i)
     finally:
         restore_one_row_products(m)
+        prepacked.restore_linear_weights(m)
     assert not any(hasattr(mod, "_draftheads_one_row_padded") for mod in m.modules())
 
 

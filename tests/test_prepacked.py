@@ -1,7 +1,10 @@
 """Prepacked verification weights (decoding/prepacked.py) on the tiny Llama: one-token steps keep
 their kernel bit for bit, many-row products agree with ``F.linear`` to fp32 rounding, speculative
-output still equals vanilla greedy, stale weights and gradients fall back, bf16 is left alone, and
-the evaluation's switch and the c(n) cache key see it."""
+output still equals vanilla greedy, stale weights and gradients fall back, bf16 is left alone by the
+fp32 packing, and the evaluation's switch and the c(n) cache key see it.  Row-consistent packing
+(bf16 on an AMX CPU): the probe finds the largest consistent product, larger products run in chunks
+whose rows equal one-row products, the padding of decoding.numerics leaves those layers alone, and
+``auto`` packs bf16 only where AMX is."""
 from __future__ import annotations
 
 import pytest
@@ -145,9 +148,10 @@ def test_eval_switch_and_cost_key(model):
     prepacked.restore_linear_weights(model)
     assert prepacked_products(model, compose(rewrite_argv(["eval.prepack_weights=false"])).eval) == []
     m16 = tiny_llama(seed=0).to(torch.bfloat16)
-    assert prepacked_products(m16, ev) == []  # auto: bf16 keeps its row-consistent kernels
-    with pytest.raises(ValueError, match="prepack_weights=true needs an fp32 base"):
-        prepacked_products(m16, compose(rewrite_argv(["eval.prepack_weights=true"])).eval)
+    assert prepacked_products(m16, ev) == []  # auto, bf16 not native through AMX (the suite pins slow): left alone
+    if not prepacked.can_pack(torch.bfloat16):
+        with pytest.raises(ValueError, match="prepack_weights=true needs a CPU base whose oneDNN packs its dtype"):
+            prepacked_products(m16, compose(rewrite_argv(["eval.prepack_weights=true"])).eval)
     with pytest.raises(ValueError, match="prepack_weights='sometimes'"):
         prepacked_products(model, compose(rewrite_argv(["eval.prepack_weights=sometimes"])).eval)
     # the entry point refuses the value with the other eval keys, before the base is loaded
@@ -191,3 +195,95 @@ def test_can_pack_probes_the_packed_product(model, monkeypatch, fault):
         prepacked.can_pack.cache_clear()
     monkeypatch.setattr(prepacked, "_packed_linear", real)
     assert prepacked.can_pack(torch.float32) is True
+
+
+def _planted_blocking(monkeypatch, above: int):
+    """oneDNN's packed product, planted to round differently (one fp32 ulp up) over more than ``above`` rows."""
+    real = prepacked._packed_linear
+
+    def blocked(x, packed, bias):
+        y = real(x, packed, bias)
+        return torch.nextafter(y, torch.full_like(y, float("inf"))) if x.shape[0] > above else y
+
+    monkeypatch.setattr(prepacked, "_packed_linear", blocked)
+
+
+def test_row_consistent_packing_chunks_above_the_probed_rows(model, monkeypatch):
+    """A kernel that blocks differently above 4 rows: the probe says 4, every layer is packed for every row
+    count in chunks of 4, so each row of a 9- or 12-row product equals its one-row product bit for bit."""
+    from decoding import numerics
+
+    _planted_blocking(monkeypatch, above=4)
+    lin = _linears(model)[0]
+    assert prepacked.consistent_rows(lin.weight, lin.bias, max_rows=16) == 4
+    names = prepacked.prepack_row_consistent(model, dtypes=(torch.float32,), max_rows=16)
+    assert len(names) == len(_linears(model)) and prepacked.prepacked_chunks(model) == (len(names), 4)
+    gen = torch.Generator().manual_seed(3)
+    for lin in _linears(model):
+        assert getattr(lin, numerics.ROW_CONSISTENT) and prepacked.prepacked_min_rows(model) == 1
+        x = torch.randn(12, lin.in_features, generator=gen)
+        one = torch.cat([lin(x[i:i + 1]) for i in range(12)])
+        assert torch.equal(lin(x), one) and torch.equal(lin(x[:9].reshape(3, 3, -1)), one[:9].reshape(3, 3, -1))
+        # without the chunks the planted kernel would differ: the test can fail
+        assert not torch.equal(prepacked._packed_linear(x, getattr(lin, prepacked._PACKED).packed, lin.bias), one)
+    # decoding.numerics leaves the row-consistent layers alone, even where their F.linear would differ
+    monkeypatch.setattr(numerics, "one_row_differs", lambda *a, **k: True)
+    assert pad_one_row_products(model, dtypes=(torch.float32,)) == []
+    prepacked.restore_linear_weights(model)
+    assert not any(hasattr(m, numerics.ROW_CONSISTENT) or "forward" in m.__dict__ for m in _linears(model))
+    assert len(pad_one_row_products(model, dtypes=(torch.float32,))) == len(_linears(model))
+    restore_one_row_products(model)
+
+
+def test_layers_whose_two_rows_already_differ_are_not_packed(model, monkeypatch):
+    _planted_blocking(monkeypatch, above=1)
+    assert prepacked.consistent_rows(_linears(model)[0].weight, max_rows=8) == 1
+    assert prepacked.prepack_row_consistent(model, dtypes=(torch.float32,), max_rows=8) == []
+    assert prepacked.prepacked_chunks(model) is None
+
+
+@pytest.mark.skipif(not prepacked.can_pack(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU")
+def test_bf16_row_consistent_packing_on_this_cpu():
+    """This CPU's real bf16 kernel: every product the probe calls consistent, and a larger one in chunks,
+    equals the one-row products bit for bit; the packed product equals F.linear's to bf16 rounding."""
+    m16 = tiny_llama(seed=0, attn_implementation="eager", initializer_range=0.3).to(torch.bfloat16)
+    names = prepacked.prepack_row_consistent(m16)
+    if not names:
+        pytest.skip("oneDNN's packed bf16 products are not row-consistent on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    for lin in [mod for n, mod in m16.named_modules() if n in set(names)]:
+        rows = getattr(lin, prepacked._PACKED).chunk_rows
+        x = torch.randn(rows + 7, lin.in_features, generator=gen).to(torch.bfloat16)
+        one = torch.cat([lin(x[i:i + 1]) for i in range(rows + 7)])
+        assert torch.equal(lin(x), one) and torch.equal(lin(x[:rows]), one[:rows])
+        torch.testing.assert_close(one.float(), F.linear(x, lin.weight, lin.bias).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_auto_packs_bf16_only_through_amx(monkeypatch):
+    import core.precision as precision
+    from core.precision import Bf16Support
+
+    m16 = tiny_llama(seed=0).to(torch.bfloat16)
+    auto = compose(rewrite_argv(["eval.prepack_weights=auto"])).eval
+    monkeypatch.setattr(precision, "bf16_support", lambda device="cpu": Bf16Support("cpu", "native", "planted"))
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: False)
+    assert prepacked_products(m16, auto) == []  # native bf16 without AMX (an AMD EPYC): not measured, left alone
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(prepacked, "can_pack", lambda dtype: True)
+    monkeypatch.setattr(prepacked, "prepack_row_consistent", lambda model: ["planted"])
+    assert prepacked_products(m16, auto) == ["planted"]
+    monkeypatch.setattr(prepacked, "prepack_row_consistent", lambda model: [])
+    assert prepacked_products(m16, auto) == []
+    with pytest.raises(ValueError, match="not row-consistent on this CPU for any linear layer"):
+        prepacked_products(m16, compose(rewrite_argv(["eval.prepack_weights=true"])).eval)
+
+
+def test_cost_key_holds_chunks_and_attention(model, monkeypatch):
+    plain = cost_key({"base": "x"}, model, [1, 2], 16, 1)
+    assert "prepacked_chunks" not in plain and "attention" not in plain  # eager, unpacked: older files stay valid
+    _planted_blocking(monkeypatch, above=4)
+    prepacked.prepack_row_consistent(model, dtypes=(torch.float32,), max_rows=16)
+    key = cost_key({"base": "x"}, model, [1, 2], 16, 1)
+    assert key["prepacked_chunks"] == [len(_linears(model)), 4] and key["prepacked_min_rows"] == 1
+    sdpa = tiny_llama(seed=0, attn_implementation="sdpa")
+    assert cost_key({"base": "x"}, sdpa, [1, 2], 16, 1)["attention"] == "sdpa"
