@@ -16,6 +16,8 @@ per dtype (``--dtypes``) and attention implementation (``--attn``), interleaved 
   cache bookkeeping).
 
     python benchmarks/bench_vanilla_step.py --threads 1 --dtypes float32,bfloat16 --attn eager,sdpa
+    # <dtype>:prepacked: the weights as eval.prepack_weights packs them (decoding/prepacked.py)
+    python benchmarks/bench_vanilla_step.py --threads 2 --dtypes float32,bfloat16,bfloat16:prepacked --attn sdpa
 
 Prints a Markdown table and the JSON (``--out`` also writes it).
 """
@@ -37,9 +39,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from core.base_model import load_base_model  # noqa: E402
+from decoding.prepacked import ROW_CONSISTENT_DTYPES, prepack_linear_weights, prepack_row_consistent  # noqa: E402
 from decoding.verify import base_forward, crop_cache, new_cache  # noqa: E402
 
-MATMUL_OPS = ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul_linear")
+MATMUL_OPS = ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul_linear", "mkldnn::_linear_pointwise")
 ATTENTION_OPS = ("aten::bmm", "aten::_softmax", "aten::softmax", "aten::scaled_dot_product_attention",
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::baddbmm")
 
@@ -67,11 +70,14 @@ def linear_floor_ms(model, repeats: int) -> tuple[list[float], int]:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = {m.in_features: torch.randn(1, m.in_features, dtype=m.weight.dtype) for m in linears}
     nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    # a layer with its own forward (decoding.prepacked: oneDNN-packed weights) is timed through it
+    calls = [(m.forward, (xs[m.in_features],)) if "forward" in m.__dict__ else
+             (F.linear, (xs[m.in_features], m.weight, m.bias)) for m in linears]
     out = []
     for r in range(repeats + 1):
         t0 = time.perf_counter()
-        for m in linears:
-            F.linear(xs[m.in_features], m.weight, m.bias)
+        for fn, fn_args in calls:
+            fn(*fn_args)
         if r:
             out.append(1000.0 * (time.perf_counter() - t0))
     return out, nbytes
@@ -120,7 +126,15 @@ def main(argv=None) -> int:
     for attn in [a.strip() for a in args.attn.split(",") if a.strip()]:
         base, _, _ = load_base_model({"path": args.model_path, "dtype": "float32", "attn_implementation": attn})
         for d in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
-            variants[(d, attn)] = base if d == "float32" else copy.deepcopy(base).to(getattr(torch, d))
+            name, _, variant = d.partition(":")
+            if variant not in ("", "prepacked"):
+                raise SystemExit(f"--dtypes entry {d!r}: expected <dtype> or <dtype>:prepacked")
+            m = base if d == "float32" else copy.deepcopy(base).to(getattr(torch, name))
+            # <dtype>:prepacked: what eval.prepack_weights does (bf16: every product, row-consistently; fp32: >= 3 rows)
+            if variant and not (prepack_row_consistent(m, dtypes=(m.dtype,)) if m.dtype in ROW_CONSISTENT_DTYPES
+                                else prepack_linear_weights(m, dtypes=(m.dtype,))):
+                raise SystemExit(f"--dtypes entry {d!r}: this CPU cannot prepack {name} linear weights")
+            variants[(d, attn)] = m
     gen = torch.Generator().manual_seed(0)
     vocab = next(iter(variants.values())).config.vocab_size
     context = torch.randint(0, vocab, (args.context_tokens,), generator=gen)

@@ -84,6 +84,8 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
                              f"run with heads={meta['head_type']}")
         head.to(device=device, dtype=base_model.dtype).eval()  # the drafter computes in the eval dtype too
         head.requires_grad_(False)
+        if (packed := pack_like_base(head, base_model)):
+            info["head_prepacked_layers"] = len(packed)
         kwargs = {k: v for k, v in to_container(ev).items()}
         kwargs["seed"] = int(cfg.get("seed") or 0)  # sampling decoders (temperature > 0)
         obj = head.make_drafter(base_model, eos_token_ids=list(eos_ids), **kwargs)
@@ -165,6 +167,20 @@ def prepacked_products(model, ev) -> list[str]:
                              "not row-consistent on this CPU for any linear layer (decoding.prepacked)")
         return names
     return prepack_linear_weights(model)
+
+
+def pack_like_base(head, base_model) -> list[str]:
+    """A bf16 draft head's own linear layers packed for every row count, as :func:`prepacked_products`
+    packed its base's (:func:`decoding.prepacked.prepack_row_consistent`): on a CPU with AMX the packed
+    product is the fastest bf16 kernel at every row count, and a drafter pass runs its layers over 1-16
+    rows.  Nothing happens where the base was not packed that way (fp32, another CPU, ``eval.prepack_weights=false``).
+    Drafts decide nothing about the output (verification does), so the head needs no row consistency
+    of its own; the same kernels give it."""
+    from decoding.prepacked import ROW_CONSISTENT_DTYPES, prepack_row_consistent, prepacked_chunks
+
+    if prepacked_chunks(base_model) is None or base_model.dtype not in ROW_CONSISTENT_DTYPES:
+        return []
+    return prepack_row_consistent(head, dtypes=(base_model.dtype,))  # the base's weights are buffers of a head
 
 
 def _dtype_name(dtype) -> str | None:

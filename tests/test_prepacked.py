@@ -287,3 +287,28 @@ def test_cost_key_holds_chunks_and_attention(model, monkeypatch):
     assert key["prepacked_chunks"] == [len(_linears(model)), 4] and key["prepacked_min_rows"] == 1
     sdpa = tiny_llama(seed=0, attn_implementation="sdpa")
     assert cost_key({"base": "x"}, sdpa, [1, 2], 16, 1)["attention"] == "sdpa"
+
+
+@pytest.mark.skipif(not prepacked.can_pack(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU")
+def test_draft_head_is_packed_like_its_base_and_decoding_stays_vanilla(tiny_model_dir):
+    """A bf16 falcon_k1 head over a base packed for every row count gets its own layers packed too
+    (evaluation.methods.pack_like_base); speculative output still equals bf16 vanilla greedy decoding."""
+    import heads
+    from core.base_model import load_base_model
+    from evaluation.methods import pack_like_base
+
+    base, _, _ = load_base_model({"path": str(tiny_model_dir), "dtype": "bfloat16", "attn_implementation": "eager"})
+    cfg = compose(rewrite_argv([f"model.path={tiny_model_dir}", "heads=falcon_k1"]))
+    torch.manual_seed(0)
+    head = heads.build(cfg.heads, base).to(torch.bfloat16).eval().requires_grad_(False)
+    assert pack_like_base(head, base) == []  # an unpacked base: the head is left alone
+    if not prepacked.prepack_row_consistent(base):
+        pytest.skip("oneDNN's packed bf16 products are not row-consistent on this CPU")
+    pad_one_row_products(base)
+    names = pack_like_base(head, base)
+    own = {n for n, m in head.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert names and set(names) <= own and len(names) == len(own)
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2))
+    ref, _ = greedy_generate(base, ids, 20)
+    out, stats = SpeculativeDecoder(base, head.make_drafter(base)).generate(ids, 20)
+    assert out == ref and stats["drafter_passes"] > 0
