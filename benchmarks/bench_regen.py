@@ -24,6 +24,7 @@ the regeneration of git revision REV (e.g. the one before continuous batching) i
 eager attention, its own default then (``prep.gen_batch_size=64``), on the same conversations.
 
     python benchmarks/bench_regen.py --conversations 32 --max-new-tokens 32 --batch-sizes 4,16,32
+    python benchmarks/bench_regen.py --conversations 32 --max-new-tokens 32 --batch-sizes 16,32 --prepacked  # AMX
     # the figure of record (quiet machine):
     python benchmarks/bench_regen.py --conversations 128 --max-new-tokens 128 \\
         --batch-sizes 1,4,8,16,32,64,128 --fp32-batch-size 32 --agree-turns 64 --old-rev fa53138
@@ -210,6 +211,9 @@ def main() -> None:
     ap.add_argument("--agree-turns", type=int, default=0, help="turns decoded at batch 1 for the agreement share")
     ap.add_argument("--old-rev", default=None, help="also time regenerate() from this git revision (fp32, eager, B=64)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--prepacked", action="store_true",
+                    help="pack the --dtype base's bf16/fp16 linear weights for every product first "
+                         "(decoding.prepacked.prepack_row_consistent), for ours and bare generate alike")
     args = ap.parse_args()
     args.max_new_tokens = args.max_new_tokens or None
     if args.threads:
@@ -232,8 +236,13 @@ def main() -> None:
         return model, tok, eos, shards
 
     model, tok, eos, shards = prepared(args.dtype)
+    if args.prepacked:
+        from decoding.prepacked import prepack_row_consistent
+
+        if not prepack_row_consistent(model):
+            raise SystemExit(f"--prepacked: this CPU cannot pack {args.dtype} linear weights row-consistently")
     header.update({"model": args.model_path or "SmolLM2-135M-Instruct (packaged)", "dtype": args.dtype,
-                   "conversations": sum(len(s) for s in shards)})
+                   "prepacked": bool(args.prepacked), "conversations": sum(len(s) for s in shards)})
     print(json.dumps(header), flush=True)
     rows, turns = sweep(model, tok, shards, eos, args, sizes, args.dtype)
     results["rows"] += rows
