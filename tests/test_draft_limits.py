@@ -77,6 +77,16 @@ def test_topk_stable_breaks_ties_to_the_lower_index_at_every_k(dim):
                 want = sorted(range(len(v)), key=lambda i: (-v[i], i))[:k]
                 assert idx[row, col].tolist() == want
                 assert vals[row, col].tolist() == [v[i] for i in want]
+    # bf16-rounded scores over a wide vocabulary: many ties at every cut; the reference is a stable full sort
+    z = torch.randn(6, 3, 5000, generator=g).bfloat16().float()
+    z[0, 0, :] = 0.5  # one row all tied
+    z[1, 1, 100:] = float("-inf")  # fewer finite entries than k
+    for k in (1, 4, 16, 150):
+        s_vals, s_idx = z.sort(dim=-1, descending=True, stable=True)
+        vals, idx = topk_stable(z, k)
+        assert torch.equal(idx, s_idx[..., :k]) and torch.equal(vals, s_vals[..., :k]), k
+    z[2, 0, 3] = float("nan")  # NaN ranks first, as torch's sort ranks it
+    assert torch.equal(topk_stable(z, 4)[1], z.sort(dim=-1, descending=True, stable=True)[1][..., :4])
     y = torch.randn(4, 100, generator=g)  # no ties: torch.topk's answer
     assert torch.equal(topk_stable(y, 7)[1], y.topk(7).indices)
     with pytest.raises(ValueError, match="k=0"):
