@@ -46,6 +46,7 @@ from typing import Iterable, Sequence
 import torch
 
 from decoding.margins import top2
+from decoding.ranking import greedy_ids
 from decoding.sampling import sample, verify_draft, warp
 from decoding.vanilla import check_generate_args
 from decoding.verify import new_cache, prefill
@@ -335,7 +336,7 @@ class AdaDecodeDecoder:
         whether ``t``'s draft was accepted: greedy (argmax, METHODS §4.1) or, at τ > 0, the chain
         rule of §4.2 against the stored proposal (a sample from p* when ``t`` has no draft)."""
         if self.temperature == 0:
-            f = int(logits.argmax())
+            f = int(greedy_ids(logits))
             return f, t.draft is not None and t.draft == f
         p = warp(logits, self.temperature)
         if t.draft is None:

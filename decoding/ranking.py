@@ -18,7 +18,8 @@ budget (``eval.tree=auto``) would not be the tree decoded at another.  Every ran
   is the restriction of the canonical order of the tree, so cutting a tree of M nodes to its n best
   gives the tree drafted with a budget of n.
 
-Greedy argmax (AdaDecode's exit tokens, verification) already takes the first maximum: lower id.
+Greedy argmax (AdaDecode's exit tokens, verification, vanilla decoding) takes the first maximum, the
+lower id: :func:`greedy_ids`.
 """
 from __future__ import annotations
 
@@ -77,6 +78,23 @@ def _by_value_then_index(vals: torch.Tensor, idx: torch.Tensor, dim: int) -> tup
     idx, vals = idx.gather(dim, order), vals.gather(dim, order)
     order = vals.argsort(dim=dim, descending=True, stable=True)
     return vals.gather(dim, order), idx.gather(dim, order)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token of every row: the index of the first maximum along the last dim, as
+    ``logits.argmax(-1)`` (NaN counts as the maximum in both).
+
+    ``max``'s reduction gives the same index and is several times faster than ``argmax`` on bf16 CPU
+    logits (issue 27, on the AMX machine, one thread: 0.56 against 2.7 ms over [16, 49152]), which a
+    verification step pays on every tree.
+
+    Args:
+        logits: float [..., V] (any float dtype, any device).
+
+    Returns:
+        int64 [...]: the greedy ids.
+    """
+    return logits.max(dim=-1).indices
 
 
 def as_float32(values: Sequence[float]) -> list[float]:

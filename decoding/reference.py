@@ -19,6 +19,7 @@ import random
 
 import torch
 
+from decoding.ranking import greedy_ids
 from decoding.tree import DraftTree
 from decoding.verify import base_forward, crop_cache, new_cache
 
@@ -77,7 +78,7 @@ class OracleDrafter:
         out = []
         for _ in range(self.depth):
             logits, _ = base_forward(self.base_model, torch.tensor(pending), self.cache)
-            tok = int(logits[-1].argmax())
+            tok = int(greedy_ids(logits[-1]))
             out.append(tok)
             pending = [tok]
         crop_cache(self.cache, len(full))

@@ -10,6 +10,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from decoding.ranking import greedy_ids
 from decoding.verify import base_forward, new_cache
 
 
@@ -93,7 +94,7 @@ def greedy_generate(base_model, prompt_ids: torch.Tensor, max_new_tokens: int,
         ValueError: bad ``prompt_ids`` or ``max_new_tokens``, or prompt + ``max_new_tokens`` beyond
             ``max_position_embeddings`` (:func:`check_context_limit`).
     """
-    return _generate(base_model, prompt_ids, max_new_tokens, eos_token_ids, lambda logits: int(logits.argmax()))
+    return _generate(base_model, prompt_ids, max_new_tokens, eos_token_ids, lambda logits: int(greedy_ids(logits)))
 
 
 @torch.no_grad()

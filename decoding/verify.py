@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decoding.ranking import greedy_ids
 from decoding.tree import DraftTree
 
 
@@ -85,7 +86,7 @@ def prefill(base_model, prompt_ids: torch.Tensor, layers=None):
         raise ValueError("empty prompt: need at least one token")
     cache = new_cache(base_model)
     logits, hidden = base_forward(base_model, prompt_ids, cache, layers=layers, logits_to_keep=1)
-    return cache, int(logits[-1].argmax()), hidden
+    return cache, int(greedy_ids(logits[-1])), hidden
 
 
 def keep_cache_positions(cache, past_length: int, keep: torch.Tensor) -> None:
@@ -216,7 +217,7 @@ def verify_tree(base_model, cache, tree: DraftTree, layers=None) -> VerifyResult
     logits, hidden = base_forward(base_model, tree.tokens[order], cache, position_ids=pos, attention_mask=mask,
                                   layers=layers)
     logits, hidden = logits.index_select(0, inv.to(logits.device)), hidden.index_select(0, inv.to(hidden.device))
-    preds = logits.argmax(-1).tolist()
+    preds = greedy_ids(logits).tolist()
     accepted = greedy_accept(tree, preds)
     idx = torch.tensor(accepted, dtype=torch.long)
     keep_cache_positions(cache, past, inv[idx])  # cache slot P + k holds node order[k]

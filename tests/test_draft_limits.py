@@ -11,7 +11,7 @@ import torch
 import heads
 from core.config import compose
 from decoding.ctc import build_ctc_tree
-from decoding.ranking import node_order, topk_stable
+from decoding.ranking import greedy_ids, node_order, topk_stable
 from decoding.speculative import SpeculativeDecoder
 from decoding.tree import DraftTree
 from decoding.tree_search import RecordingDrafter, ScoreBudgetDrafter, truncation_order
@@ -91,6 +91,17 @@ def test_topk_stable_breaks_ties_to_the_lower_index_at_every_k(dim):
     assert torch.equal(topk_stable(y, 7)[1], y.topk(7).indices)
     with pytest.raises(ValueError, match="k=0"):
         topk_stable(y, 0)
+
+
+def test_greedy_ids_are_argmax_first_maximum_included():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 3000, generator=g).bfloat16()
+    x[:, 17] = x.max(dim=-1).values  # ties with the maximum: the lower id wins
+    x[5, 2] = float("nan")  # NaN is the maximum for both
+    x[6] = 0.0  # an all-tied row
+    for logits in (x, x.float(), x[0], x.reshape(4, 16, 3000)):
+        assert torch.equal(greedy_ids(logits), logits.argmax(-1))
+    assert int(greedy_ids(x[6])) == 0 and int(greedy_ids(x[5])) == 2
 
 
 def test_node_order_is_score_then_depth_then_canonical():
