@@ -81,6 +81,24 @@ def test_budget_cli_names_a_bad_record_and_writes_the_table(tmp_path, capsys):
     assert "adadecode: its run record has no validation with 'sim_tau'" in capsys.readouterr().err
 
 
+def test_budget_cli_plots_runs_from_several_places_on_one_chart(tmp_path, capsys):
+    """--plot draws every given run (a run directory and a loose record.json alike) on one PNG; a
+    --plot path in a missing directory is refused before the table is written."""
+    from train.budget import main
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "record.json").write_text(json.dumps(_record([(10.0, 1.2), (20.0, 1.4)])))
+    (tmp_path / "shipped.json").write_text(json.dumps(_record([(15.0, 1.3), (25.0, 1.5)])))
+    png, out = tmp_path / "curves.png", tmp_path / "budget.md"
+    assert main([f"ctc={tmp_path / 'run'}", f"falcon_k1={tmp_path / 'shipped.json'}", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"validation τ curves of ctc, falcon_k1 -> {png}" in capsys.readouterr().out
+    assert main([f"ctc={tmp_path / 'run'}", "--out", str(out), "--plot", str(tmp_path / "no" / "c.png")]) == 2
+    assert "--plot " + str(tmp_path / "no" / "c.png") + ": expected a file path in an existing directory" in (
+        capsys.readouterr().err)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("step", None, "validation 1: step=None: expected a non-negative int"),
     ("step", 2.5, "validation 1: step=2.5: expected a non-negative int"),

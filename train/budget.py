@@ -14,9 +14,11 @@ cache) and reports equal **wall clock** as a second column.  Both come from the 
   each such group gets its own W, and a record that does not give its share (one written before
   ``threads`` and ``world_size`` were kept) is a group of its own.
 
-``python -m train.budget NAME=RUN_DIR_OR_RECORD [...] [--seconds W] [--out FILE.md]`` prints the
-table (and writes it atomically with ``--out``).  Exit status 0, or 2 on an input error (the message
-names the file).
+``python -m train.budget NAME=RUN_DIR_OR_RECORD [...] [--seconds W] [--out FILE.md] [--plot FILE.png]``
+prints the table (and writes it atomically with ``--out``); ``--plot`` draws the runs' validation τ
+against tokens seen on one chart (:func:`train.val_schedule.plot_curves`).  Runs from several places
+(a compare run directory, a shipped head's ``record.json``) go on one table and one chart this way.
+Exit status 0, or 2 on an input error (the message names the file).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from typing import Any, Sequence
 
 from train.val_schedule import RECORD
 
-USAGE = "usage: python -m train.budget NAME=RUN_DIR_OR_RECORD_JSON [NAME=...] [--seconds W] [--out FILE.md]"
+USAGE = ("usage: python -m train.budget NAME=RUN_DIR_OR_RECORD_JSON [NAME=...] [--seconds W] [--out FILE.md] "
+         "[--plot FILE.png]")
 
 
 def _is_int(x: Any) -> bool:
@@ -198,11 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from core.io import atomic_write_text
 
     args = list(sys.argv[1:] if argv is None else argv)
-    seconds, out, pairs = None, None, []
+    seconds, out, plot, pairs = None, None, None, []
     try:
         while args:
             a = args.pop(0)
-            if a in ("--seconds", "--out"):
+            if a in ("--seconds", "--out", "--plot"):
                 if not args:
                     raise ValueError(f"{a} needs a value")
                 v = args.pop(0)
@@ -213,8 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         seconds = None
                     if seconds is None or not math.isfinite(seconds) or seconds < 0:
                         raise ValueError(f"--seconds {v!r}: expected a finite, non-negative number of seconds")
-                else:
+                elif a == "--out":
                     out = v
+                else:
+                    plot = v
             elif "=" in a and not a.startswith("-"):
                 name, path = a.split("=", 1)
                 pairs.append((name, path))
@@ -222,8 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"{a!r}: expected NAME=RUN_DIR_OR_RECORD_JSON")
         if not pairs:
             raise ValueError("no run given")
-        if out is not None and (Path(out).is_dir() or not Path(out).parent.is_dir()):
-            raise ValueError(f"--out {out}: expected a file path in an existing directory")
+        for flag, target in (("--out", out), ("--plot", plot)):
+            if target is not None and (Path(target).is_dir() or not Path(target).parent.is_dir()):
+                raise ValueError(f"{flag} {target}: expected a file path in an existing directory")
         records = {}
         for name, path in pairs:
             if name in records:
@@ -239,7 +245,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             print(f"error: --out {out}: cannot write ({exc})", file=sys.stderr)
             return 2
+    if plot:
+        from train.val_schedule import plot_curves
+
+        try:
+            drawn = plot_curves(records, plot, title="validation τ against tokens seen, per head")
+        except ValueError as exc:  # no record has a validation τ
+            print(f"error: --plot {plot}: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"error: --plot {plot}: cannot write ({exc})", file=sys.stderr)
+            return 2
     print(text, end="")
+    if plot:
+        print(f"validation τ curves of {', '.join(drawn)} -> {plot}")
     return 0
 
 
