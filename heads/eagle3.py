@@ -339,9 +339,13 @@ class Eagle3Head(DraftHead):
         return self.fc(aux.to(self.compute_dtype))
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head over the draft vocabulary: h [..., H] (pre-norm layer output) → [..., N] float32."""
-        with torch.autocast(device_type=h.device.type, enabled=False):
-            return self.trainable_lm_head(self.norm(h)).float()
+        """LM head over the draft vocabulary: h [..., H] (pre-norm layer output) → [..., N] float32.
+
+        The product runs in the compute dtype, or in autocast's (bf16 under ``bf16-mixed``, as
+        EAGLE-3's and SpecForge's trainers run their draft LM head); the logits, and the loss
+        taken from them, are float32.
+        """
+        return self.trainable_lm_head(self.norm(h)).float()
 
     def _rope(self, h: torch.Tensor, pos: torch.Tensor):
         return self.rotary_emb(h, pos)
@@ -405,28 +409,32 @@ class Eagle3Head(DraftHead):
         return torch.cat([aux[l].to(self.compute_dtype) for l in self.layers], dim=-1)
 
     def _targets(self, batch: dict[str, Any], used: torch.Tensor, masks: list[torch.Tensor]):
-        """Per step i: (soft target logits [M_i, N] or draft ids [M_i] (−1 = outside the draft
-        vocabulary, dropped from the CE), greedy labels [M_i] (base ids)).
+        """Per step i: (soft target probabilities [M_i, N] float32 or draft ids [M_i] (−1 = outside
+        the draft vocabulary, dropped from the CE), greedy labels [M_i] (base ids)).
 
-        Soft teacher: the frozen W[d2t]·f (:meth:`DraftHead.draft_lm_head`), i.e. the base's
-        distribution restricted to the draft vocabulary and renormalised by the softmax of
-        :func:`losses.eagle3.ttt_loss`.  The base's logits at a position are the same for every
-        step that scores it, so they are computed once for the positions ``used`` ([B, T] bool,
-        the targets any step reads) and step i gathers the rows of positions t+1+i.
+        Soft teacher: softmax(W[d2t]·f) in fp32 (:meth:`DraftHead.draft_lm_head`), i.e. the base's
+        distribution restricted to the draft vocabulary and renormalised.  The base's distribution
+        at a position is the same for every step that scores it, so it is computed once for the
+        positions ``used`` ([B, T] bool, the targets any step reads) and step i gathers the rows of
+        positions t+1+i.
         """
-        labels = batch["labels"]
+        labels = batch["labels"][used]
         soft = self.cfg["loss"]["target"] == "soft"
         if soft:
-            row = torch.full(used.shape, -1, dtype=torch.long, device=used.device)
-            row[used] = torch.arange(int(used.sum()), device=used.device)
             hid = batch["hidden"][used]
             with torch.autocast(device_type=hid.device.type, enabled=False):
-                teacher = self.draft_lm_head(hid.float())
+                teacher = torch.softmax(self.draft_lm_head(hid.float()), dim=-1)  # once for every step
+        # Step i's rows (slots t with t+1+i in ``used``, row-major) are the used positions p = t+1+i
+        # with p >= 1+i, in the same order: a boolean row selection, and none at all (no [M, N]
+        # copy) when every used position lies past 1+i, as assistant positions do.
+        pos = torch.arange(used.shape[1], device=used.device).expand_as(used)[used]
         out = []
         for i, m in enumerate(masks):
-            lab = shift_left(labels, 1 + i, 0)[m]
+            keep = pos >= 1 + i
+            whole = bool(keep.all())
+            lab = labels if whole else labels[keep]
             if soft:
-                out.append((teacher.index_select(0, shift_left(row, 1 + i, -1)[m]), lab))
+                out.append((teacher if whole else teacher[keep], lab))
             else:
                 out.append((self.to_draft_ids(lab), lab))
         return out

@@ -3,6 +3,9 @@
 Pure functions on tensors:
 
 * :func:`ttt_step_masks` — the loss positions of every TTT step;
+* :func:`soft_cross_entropy` — −Σ_v p_v log softmax(z)_v per row, fused (one exp pass forward,
+  one backward) so that the [M, N] soft targets of every TTT step cost two reads, not a
+  log-softmax, a product and their backwards;
 * :func:`ttt_loss` — L = Σ_i decay^i · CE_i (``ploss_weight = [0.8**i ...]`` in
   ``traineagle3/main.py``), each CE_i a masked mean over step i's positions.
 """
@@ -40,13 +43,56 @@ def ttt_step_masks(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
     return [shift_left(m, 1 + i, False) for i in range(steps)]
 
 
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Rows of −Σ_v p_v log softmax(z)_v = logsumexp(z) − p·z (Σ_v p_v = 1); ∂/∂z = softmax(z) − p."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits, dim=-1)
+        ce = lse - torch.linalg.vecdot(probs, logits)
+        ctx.save_for_backward(logits, probs, lse)
+        return ce
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, probs, lse = ctx.saved_tensors
+        g = torch.exp(logits - lse.unsqueeze(-1))
+        g.sub_(probs).mul_(grad.unsqueeze(-1))
+        return g, None
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Per-row cross-entropy against a target distribution: −Σ_v p_v · log softmax(z)_v.
+
+    Equal to ``-(probs * logits.log_softmax(-1)).sum(-1)`` (EAGLE ``Model.forward``'s
+    ``-torch.sum(target_p * out_logp, 2)``), computed as logsumexp(z) − p·z with the gradient
+    softmax(z) − p written in one pass: on a [1536, 16384] step this is what an EAGLE-3 training
+    step spends most of its time on (docs/training.md, "eagle3's training speed").  No gradient
+    flows to ``probs`` (a frozen teacher).
+
+    Args:
+        logits: [M, N] float32 (or float64) draft logits z.
+        probs: [M, N] target probabilities p, same dtype; each row sums to 1 (a softmax).
+
+    Returns:
+        [M] per-row cross-entropies, z's dtype.
+
+    Raises:
+        ValueError: shapes or dtypes differ.
+    """
+    if logits.shape != probs.shape or logits.dtype != probs.dtype:
+        raise ValueError(f"soft targets {tuple(probs.shape)} {probs.dtype} do not match logits "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    return _SoftCrossEntropy.apply(logits, probs.detach())
+
+
 def ttt_loss(step_logits: list[torch.Tensor], step_targets: list[torch.Tensor], decay: float = 0.8):
     """Σ_i decay^i · CE_i over the TTT steps.
 
     Args:
         step_logits: per step [M_i, N] draft logits (any float dtype; computed in fp32).
-        step_targets: per step either [M_i, N] float target logits over the draft vocabulary
-            (soft: CE against their softmax, EAGLE ``Model.forward``'s ``target_p``; over the draft
+        step_targets: per step either [M_i, N] float target probabilities over the draft vocabulary
+            (soft: :func:`soft_cross_entropy`, EAGLE ``Model.forward``'s ``target_p``; over the draft
             vocabulary this is the base's distribution restricted and renormalised) or [M_i] long
             draft ids (greedy: CE against the label; −1 = outside the draft vocabulary, the row
             leaves the CE mean, issue 13's rule).
@@ -64,15 +110,16 @@ def ttt_loss(step_logits: list[torch.Tensor], step_targets: list[torch.Tensor], 
     total = step_logits[0].new_zeros((), dtype=torch.float32)
     parts = []
     for i, (lg, tg) in enumerate(zip(step_logits, step_targets)):
-        logq = F.log_softmax(lg.float(), dim=-1)
         if tg.dtype.is_floating_point:
             if tg.shape != lg.shape:
                 raise ValueError(f"step {i}: soft targets {tuple(tg.shape)} != logits {tuple(lg.shape)}")
-            ce = -(F.softmax(tg.float(), dim=-1) * logq).sum(-1)
+            lg = lg if lg.dtype == torch.float64 else lg.float()
+            ce = soft_cross_entropy(lg, tg.to(lg.dtype))
             scored = ce.shape[0]
         else:
             if tg.shape != lg.shape[:-1]:
                 raise ValueError(f"step {i}: labels {tuple(tg.shape)} do not match logits {tuple(lg.shape)}")
+            logq = F.log_softmax(lg.float(), dim=-1)
             keep = tg >= 0  # −1: greedy label outside the draft vocabulary, no CE term
             ce = -logq.gather(-1, tg.long().clamp_min(0).unsqueeze(-1)).squeeze(-1) * keep
             scored = int(keep.sum())
