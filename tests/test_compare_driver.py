@@ -218,13 +218,14 @@ def test_record_config_dry_run(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     ran = [ln.split()[2] for ln in lines if ln.startswith("[run ]")]
     assert ran[:2] == ["prep-teacher_forced", "prep-regenerated"]
-    assert [r for r in ran if r.startswith("train-")] == ["train-falcon_k1", "train-eagle3", "train-ctc", "train-ctc_ce",
-                                                          "train-falcon", "train-adadecode", "train-falcon_k1_regen"]
+    assert [r for r in ran if r.startswith("train-")] == ["train-falcon_k1", "train-eagle3", "train-eagle3_ttt3",
+                                                          "train-ctc", "train-ctc_ce", "train-falcon", "train-adadecode", "train-falcon_k1_regen"]
     cmds = {ln.split()[2]: lines[i + 1] for i, ln in enumerate(lines[:-1]) if ln.startswith("[run ]")}
     assert "labels=regenerate" in cmds["prep-regenerated"] and "prep.dtype=float8_e4m3fn" in cmds["prep-regenerated"]
     assert "train.val_schedule=log" in cmds["train-eagle3"] and "train.max_epochs=1" in cmds["train-eagle3"]
     assert "caches/regenerated" in cmds["train-falcon_k1_regen"] and "caches/teacher_forced" in cmds["train-ctc"]
     assert "heads.loss=ce" in cmds["train-ctc_ce"] and "heads=ctc " in cmds["train-ctc_ce"]
+    assert "heads.ttt_steps=3" in cmds["train-eagle3_ttt3"] and "heads.ttt_steps" not in cmds["train-eagle3"]
 
 
 def test_heads_without_a_validation_tau_do_not_stop_the_summary(tmp_path, capsys):
