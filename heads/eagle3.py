@@ -415,7 +415,7 @@ class Eagle3Head(DraftHead):
         Soft teacher: softmax(W[d2t]·f) in fp32 (:meth:`DraftHead.draft_lm_head`), i.e. the base's
         distribution restricted to the draft vocabulary and renormalised.  The base's distribution
         at a position is the same for every step that scores it, so it is computed once for the
-        positions ``used`` ([B, T] bool, the targets any step reads) and step i gathers the rows of
+        positions ``used`` ([B, T] bool, the targets any step reads) and step i reads the rows of
         positions t+1+i.
         """
         labels = batch["labels"][used]
@@ -429,7 +429,7 @@ class Eagle3Head(DraftHead):
         # copy) when every used position lies past 1+i, as assistant positions do.
         pos = torch.arange(used.shape[1], device=used.device).expand_as(used)[used]
         out = []
-        for i, m in enumerate(masks):
+        for i in range(len(masks)):
             keep = pos >= 1 + i
             whole = bool(keep.all())
             lab = labels if whole else labels[keep]

@@ -67,7 +67,7 @@ def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tenso
     Equal to ``-(probs * logits.log_softmax(-1)).sum(-1)`` (EAGLE ``Model.forward``'s
     ``-torch.sum(target_p * out_logp, 2)``), computed as logsumexp(z) − p·z with the gradient
     softmax(z) − p written in one pass: on a [1536, 16384] step this is what an EAGLE-3 training
-    step spends most of its time on (docs/training.md, "eagle3's training speed").  No gradient
+    step spends most of its time on (docs/heads.md, EAGLE-3, "Training cost").  No gradient
     flows to ``probs`` (a frozen teacher).
 
     Args:
