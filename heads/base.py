@@ -202,14 +202,18 @@ class DraftHead(nn.Module):
 
         self.register_buffer("draft_lm_head_weight", slice_rows(self.lm_head_weight, self.d2t), persistent=False)
 
+    @property
+    def draft_lm_head_rows(self) -> torch.Tensor:
+        """The frozen LM head's rows over the draft vocabulary: W[d2t] [N, H], or W [V, H] with none
+        (the base's dtype; row i scores base token ``d2t[i]``)."""
+        return self.lm_head_weight if self.draft_vocab_size is None else self.draft_lm_head_weight
+
     def draft_lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Frozen LM head restricted to the draft vocabulary (FR-Spec): h [..., H] → [..., N] (h's dtype).
 
         Column i scores base token ``d2t[i]``; with no draft vocabulary this is :meth:`lm_head` ([..., V]).
         """
-        if self.draft_vocab_size is None:
-            return self.lm_head(h)
-        return h @ self.draft_lm_head_weight.to(h.dtype).T
+        return h @ self.draft_lm_head_rows.to(h.dtype).T
 
     def to_draft_ids(self, base_ids: torch.Tensor) -> torch.Tensor:
         """Base ids [...] (long) → draft indices [...] (−1 outside the draft vocabulary); identity if full."""

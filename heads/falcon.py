@@ -159,9 +159,8 @@ class FalconHead(DraftHead):
     def logits_fp32(self, h: torch.Tensor) -> torch.Tensor:
         """W h in fp32 with autocast off over the draft vocabulary: h [..., H] → logits [..., N]
         float32 (N = ``draft_vocab_size``, or V; column i scores base token ``d2t[i]``)."""
-        w = self.lm_head_weight if self.draft_vocab_size is None else self.draft_lm_head_weight
         with torch.autocast(device_type=h.device.type, enabled=False):
-            return h.float() @ w.float().T
+            return h.float() @ self.draft_lm_head_rows.float().T
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor, cache=None) -> torch.Tensor:
