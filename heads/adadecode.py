@@ -22,11 +22,11 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from heads.base import DraftHead, Progress
 from heads.registry import register
 from losses.adadecode import kl_per_token
+from losses.linear_soft_ce import linear_soft_cross_entropy, teacher_entropy
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ class AdaDecodeHead(DraftHead):
         gamma_slope: with no ``gamma_schedule``, the k-th of K candidate layers uses
             γ_k = max(0, gamma + gamma_slope·(k − (K−1)/2)) (0 = ``gamma`` everywhere).
         val_gammas: thresholds at which validation reports per-layer and policy metrics.
-        chunk_tokens: tokens per chunk when computing [N, V] logits (bounds activation memory;
-            training chunks are gradient-checkpointed).
+        chunk_tokens: tokens per chunk when computing [N, V] logits (bounds activation memory:
+            a training chunk's gradients are taken in its forward, no logits are kept).
         max_inflight: decode-time cap on in-flight (not yet verified) tokens, see
             :mod:`decoding.adadecode`.
 
@@ -225,8 +225,27 @@ class AdaDecodeHead(DraftHead):
         return torch.stack(kls)
 
     # -- training ------------------------------------------------------------------------------
+    def _chunk_kl_fused(self, hidden: torch.Tensor, *aux: torch.Tensor) -> torch.Tensor:
+        """[len(layers)] Σ_t KL(p*_t ‖ softmax(z^(ℓ)_t)) over a chunk, with gradients to T_ℓ.
+
+        KL = CE(p*, z) − H(p*) (H constant: the teacher is frozen); the CE and its gradient through
+        the frozen W come from :func:`losses.linear_soft_ce.linear_soft_cross_entropy`, which never
+        holds a chunk's [n, V] student logits for the backward.  Equal to :meth:`_chunk_stats`' KL to
+        float32 rounding, gradients included; fp32 with autocast off (METHODS §3.3)."""
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            probs, entropy = teacher_entropy(self.teacher_logits(hidden))
+            w = self.draft_lm_head_rows
+            kls = []
+            for layer, h in zip(self.layers, aux):
+                T = self.transforms[str(layer)]
+                x = T(self.final_norm(h.to(T.weight.dtype))).float()
+                ce, _ = linear_soft_cross_entropy(x, w, probs)
+                kls.append(ce - entropy.sum())
+            return torch.stack(kls)
+
     def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:
-        """Σ_ℓ w_ℓ masked-mean KL(p* ‖ softmax(z^(ℓ))) (METHODS §3.3), fp32, chunked + checkpointed.
+        """Σ_ℓ w_ℓ masked-mean KL(p* ‖ softmax(z^(ℓ))) (METHODS §3.3), fp32, in chunks of
+        ``chunk_tokens`` whose gradients are taken in the forward (:meth:`_chunk_kl_fused`).
 
         Returns ``(loss, {"kl_l<ℓ>": float, "num_tokens": float, "oov_rate": float})`` (``oov_rate``:
         share of masked tokens whose greedy label is outside the draft vocabulary).
@@ -238,10 +257,7 @@ class AdaDecodeHead(DraftHead):
         step = int(self.cfg["chunk_tokens"])
         for s in self._chunk_starts(n, hidden.device):
             args = (hidden[s:s + step], *[aux[layer][s:s + step] for layer in self.layers])
-            if torch.is_grad_enabled():
-                kl_sum = kl_sum + checkpoint(self._chunk_stats, *args, use_reentrant=False)
-            else:
-                kl_sum = kl_sum + self._chunk_stats(*args)
+            kl_sum = kl_sum + (self._chunk_kl_fused(*args) if torch.is_grad_enabled() else self._chunk_stats(*args))
         per_layer = kl_sum / max(n, 1)
         w = torch.tensor([self.layer_weights[layer] for layer in self.layers], device=per_layer.device)
         loss = (w * per_layer).sum()

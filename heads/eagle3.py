@@ -321,7 +321,7 @@ class Eagle3Head(DraftHead):
         super()._slice_draft_lm_head()
         if (getattr(self, "_weights_loaded", True) or self._lm_head_from_base or not hasattr(self, "lm_head_weight")):
             return  # loaded / trained rows are never overwritten by a later attach_base
-        rows = self.lm_head_weight if self.draft_vocab_size is None else self.draft_lm_head_weight
+        rows = self.draft_lm_head_rows
         with torch.no_grad():
             self.trainable_lm_head.weight.copy_(rows.to(self.trainable_lm_head.weight))
         self._lm_head_from_base = True

@@ -92,6 +92,28 @@ def test_loss_matches_brute_force(model):
     assert float(kl_per_token(out.logits, out.logits + 3.0).abs().max()) < 1e-5  # shift-invariant
 
 
+def test_fused_training_gradients_match_autograd_through_the_logits(model):
+    """training_loss takes its gradients in the forward (linear_soft_cross_entropy); they equal
+    autograd through the textbook per-layer KL of layer_logits, with a trained (non-identity) T_ℓ."""
+    head = make_head(model, layer_weights=[1.0, 0.5, 2.0], chunk_tokens=5)
+    with torch.no_grad():
+        for i, T in enumerate(head.transforms.values()):
+            T.weight.add_(0.05 * torch.randn(T.weight.shape, generator=torch.Generator().manual_seed(i)))
+    batch, out, _ = make_batch(model, seed=2)
+    loss, _ = head.training_loss(batch, Progress())
+    loss.backward()
+    fused = {k: T.weight.grad.clone() for k, T in head.transforms.items()}
+    head.zero_grad()
+    m = batch["loss_mask"]
+    ref = sum(w * kl_per_token(out.logits[m], head.layer_logits(l, batch["aux_hidden"][l][m])).mean()
+              for l, w in zip(LAYERS, [1.0, 0.5, 2.0]))
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for k, T in head.transforms.items():
+        assert float(fused[k].abs().max()) > 0, k
+        torch.testing.assert_close(fused[k], T.weight.grad, rtol=1e-4, atol=1e-7)
+
+
 def test_training_reduces_loss_and_grads_only_on_transforms(model):
     head = make_head(model, chunk_tokens=7)
     batch, _, _ = make_batch(model, seed=1)
@@ -209,8 +231,9 @@ def test_every_rank_runs_the_same_number_of_chunk_forwards(model, monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     calls = []
-    real = head._chunk_stats
-    monkeypatch.setattr(head, "_chunk_stats", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k))[1])
+    for name in ("_chunk_stats", "_chunk_kl_fused"):  # validation's and training's chunk forwards
+        monkeypatch.setattr(head, name, lambda *a, real=getattr(head, name), **k: (calls.append(a[0].shape[0]),
+                                                                                   real(*a, **k))[1])
     loss, metrics = head.training_loss(batch, Progress())
     assert calls == [4] * (n // 4) + [n % 4] + [0] * (10 - n // 4 - 1)
     assert float(loss.detach()) == pytest.approx(float(loss0.detach()), rel=1e-6) and metrics == pytest.approx(metrics0, rel=1e-6)

@@ -181,9 +181,10 @@ def test_adadecode_teacher_is_restricted_and_renormalised(tiny_base):
         p = F.log_softmax(head.lm_head(batch["hidden"][m].float())[:, d2t], -1)
         q = F.log_softmax(head.lm_head(head.transforms[str(layer)](head.final_norm(batch["aux_hidden"][layer][m])))[:, d2t], -1)
         kl = (p.exp() * (p - q)).sum(-1).mean()
-        assert metrics[f"kl_l{layer}"] == pytest.approx(float(kl), rel=1e-5)
+        # training's KL is CE − H(p*) in fp32 (losses.linear_soft_ce): ~1e-7 nats of cancellation
+        assert metrics[f"kl_l{layer}"] == pytest.approx(float(kl), rel=1e-5, abs=1e-6)
         expect = expect + kl
-    torch.testing.assert_close(loss, expect)
+    torch.testing.assert_close(loss, expect, rtol=1e-5, atol=3e-6)
 
 
 # -- checkpoints -------------------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""A linear layer and its soft-target cross-entropy in one pass over row chunks (Liger-style).
+
+For rows x_r [H] of a draft head's last hidden state, an output projection W [N, H] and target
+distributions p_r [N] (a frozen teacher, each summing to 1):
+
+    L = Σ_r  −Σ_v p_rv · log softmax(W x_r)_v  =  Σ_r  logsumexp(z_r) − p_r·z_r,   z_r = W x_r,
+    ∂L/∂z_r = softmax(z_r) − p_r,   ∂L/∂x_r = (∂L/∂z_r) W,   ∂L/∂W = Σ_r (∂L/∂z_r)ᵀ x_r.
+
+The autograd way computes z = x Wᵀ, keeps the whole [M, N] float32 z for the backward, reads it
+again for the softmax and then runs two more products; a head that recomputes its logits under
+activation checkpointing (AdaDecode's chunks) pays the forward product twice.  Here the gradients
+are taken *during the forward*, one chunk of rows at a time, while that chunk's logits are hot in
+cache: per chunk one product for z, one pass for logsumexp/softmax − p, one product for ∂L/∂x and,
+if W trains, one for ∂L/∂W.  Nothing of size [M, N] outlives its chunk.  The backward only scales
+the stored gradients by the incoming scalar.
+
+This is the fused linear cross-entropy of Liger Kernel (Hsu et al. 2024, arXiv 2410.10989, §3.3,
+"FusedLinearCrossEntropy"; its Triton kernels need a GPU) with soft targets, which covers the
+two distillation losses of this repository:
+
+* EAGLE-3's per-step CE against the base's distribution (arXiv 2503.01840 §3.2);
+* AdaDecode's KL(p* ‖ softmax(z)) = CE(p*, z) − H(p*), H(p*) constant for a frozen teacher
+  (METHODS.md §3.3; :func:`teacher_entropy`).
+"""
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CHUNK_ROWS = 256  # [256, 16384] fp32 logits = 16 MiB: a chunk stays in a 32 MiB L3
+
+
+class _LinearSoftCrossEntropy(torch.autograd.Function):
+    """Σ_r CE(p_r, W x_r) with its gradients taken in the forward (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, probs, compute_dtype, chunk_rows):
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            xc_all = x.to(compute_dtype)
+            w = weight.to(compute_dtype)
+            acc = probs.dtype  # float32, or float64 for float64 inputs
+            total = torch.zeros((), dtype=acc, device=x.device)
+            argmax = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+            gx = torch.empty_like(xc_all) if need_x else None
+            gw = torch.zeros(weight.shape, dtype=acc, device=x.device) if need_w else None
+            for s in range(0, x.shape[0], chunk_rows):
+                xc = xc_all[s:s + chunk_rows]
+                z = (xc @ w.T).to(acc)                                       # [c, N]
+                argmax[s:s + chunk_rows] = z.argmax(-1)
+                p = probs[s:s + chunk_rows]
+                lse = torch.logsumexp(z, dim=-1)
+                total += (lse - torch.linalg.vecdot(p, z)).sum()
+                if not (need_x or need_w):
+                    continue
+                g = z.sub_(lse.unsqueeze(-1)).exp_().sub_(p).to(compute_dtype)  # softmax(z) − p
+                if need_x:
+                    gx[s:s + chunk_rows] = g @ w
+                if need_w:
+                    gw += (g.T @ xc).to(acc)
+        ctx.save_for_backward(gx, gw)
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.mark_non_differentiable(argmax)
+        return total, argmax
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total, _grad_argmax):
+        gx, gw = ctx.saved_tensors
+        grad_x = None if gx is None else (gx.to(grad_total.dtype) * grad_total).to(ctx.x_dtype)
+        grad_w = None if gw is None else (gw * grad_total).to(ctx.w_dtype)
+        return grad_x, grad_w, None, None, None
+
+
+def linear_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor,
+                              chunk_rows: int = DEFAULT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_r −Σ_v p_rv · log softmax(W x_r)_v, and argmax_v (W x_r)_v, without an [M, N] logit tensor.
+
+    Equal, to floating-point rounding, to
+    ``soft_cross_entropy((x @ weight.T).float(), probs).sum()`` (:func:`losses.eagle3.soft_cross_entropy`)
+    with its gradients to ``x`` and ``weight``; the gradients are computed in this call, chunk by
+    chunk, and stored (module docstring; Liger Kernel §3.3).  Not twice differentiable.
+
+    Precision: the products run in autocast's dtype when autocast is on (bf16 under
+    ``train.precision=bf16-mixed``, as ``nn.Linear`` would), else in ``x``'s dtype; logits,
+    logsumexp, the loss and ∂L/∂W are accumulated in float32 (float64 for float64 products).
+
+    Args:
+        x: [M, H] float rows (M may be 0).
+        weight: [N, H] output projection; a frozen buffer or a trained parameter.
+        probs: [M, N] float target distributions (rows sum to 1); never receives a gradient.
+        chunk_rows: rows per chunk (bounds the [chunk, N] working set).
+
+    Returns:
+        ``(loss_sum, argmax)``: a float32 (float64) scalar Σ_r CE_r, and [M] int64 argmax of each row's logits.
+
+    Raises:
+        ValueError: shapes disagree or ``chunk_rows`` < 1.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"rows {tuple(x.shape)} and weight {tuple(weight.shape)} do not form x @ weight.T")
+    if probs.shape != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"soft targets {tuple(probs.shape)} do not match logits {(x.shape[0], weight.shape[0])}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    dev = x.device.type
+    compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    return _LinearSoftCrossEntropy.apply(x, weight, probs.detach().to(acc), compute_dtype, int(chunk_rows))
+
+
+@torch.no_grad()
+def teacher_entropy(teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher probabilities and their entropies: softmax(t) and H = logsumexp(t) − softmax(t)·t.
+
+    With them KL(p ‖ softmax(z)) = CE(p, z) − H(p) per row (AdaDecode, METHODS.md §3.3).
+
+    Args:
+        teacher_logits: [M, N] logits of the frozen teacher (any float dtype).
+
+    Returns:
+        ``(probs [M, N] float32, entropy [M] float32, nats)``.
+    """
+    t = teacher_logits.float()
+    lse = torch.logsumexp(t, dim=-1)
+    probs = torch.exp(t - lse.unsqueeze(-1))
+    return probs, lse - torch.linalg.vecdot(probs, t)
