@@ -1,26 +1,35 @@
-"""EAGLE-3 training step: this repository's loss path against the textbook one, in the same run.
+"""A head's training step: this repository's loss path against the formulation it replaced, in the same run.
 
-One bare training step = loss + ``backward`` + ``AdamW.step`` of an eagle3 head at SmolLM2-135M's
-shape (H = 576, 9 heads, 3 KV heads, MLP 1,536, V = 49,152, draft vocabulary 16,384), on
-synthetic batches of ``--batch-size`` x ``--length`` tokens (loss on the last 3/4 of each row),
-under bf16 autocast (``train.precision=bf16-mixed``) or in fp32.  Two variants, interleaved
+One bare training step = loss + ``backward`` + ``AdamW.step`` of a head at SmolLM2-135M's shape
+(H = 576, 9 heads, 3 KV heads, MLP 1,536, V = 49,152, draft vocabulary 16,384), on synthetic
+batches of ``--batch-size`` x ``--length`` tokens (loss on the last 3/4 of each row), under bf16
+autocast (``train.precision=bf16-mixed``) or in fp32.  Two variants per head, interleaved
 round-robin so machine load drifts hit both alike:
 
-* ``head``: :meth:`heads.eagle3.Eagle3Head.training_loss` as trained (one teacher softmax for all
-  TTT steps, no per-step row gather, the fused :func:`losses.eagle3.soft_cross_entropy`, the draft
-  LM head in autocast's dtype);
-* ``textbook``: the same forward with the loss written as EAGLE's ``Model.forward`` does: per step
-  the teacher logits gathered for that step's rows, ``-(softmax(teacher) * log_softmax(z)).sum(-1)``,
-  and the draft LM head in fp32 (this repository's loss before the change).
+``--head eagle3``
+  * ``head``: :meth:`heads.eagle3.Eagle3Head.training_loss` as trained (one teacher softmax for
+    all TTT steps, no per-step row gather, the fused :func:`losses.eagle3.soft_cross_entropy`,
+    the draft LM head in autocast's dtype);
+  * ``textbook``: the same forward with the loss written as EAGLE's ``Model.forward`` does: per
+    step the teacher logits gathered for that step's rows, ``-(softmax(teacher) *
+    log_softmax(z)).sum(-1)``, and the draft LM head in fp32.
+
+``--head adadecode`` (three candidate layers, as the default 8/15/22 of 30)
+  * ``head``: :meth:`heads.adadecode.AdaDecodeHead.training_loss` as trained (each chunk's
+    gradients taken in its forward, :func:`losses.linear_soft_ce.linear_soft_cross_entropy`);
+  * ``checkpointed``: the per-layer KL of ``kl_per_token`` over ``layer_logits``, each chunk
+    under activation checkpointing (this repository's loss path before the fused one): the chunk's
+    logits are computed twice and kept for the backward.
 
 Both variants start from the same weights and batch; their losses are printed side by side (they
 agree to float32 rounding).  Reported: median wall seconds per step and tokens/s (all batch
-tokens), and head/textbook.
+tokens), and head/reference.
 
 Usage::
 
-    python benchmarks/bench_eagle3_step.py                       # 7 TTT steps, bf16 autocast, 4 x 512
-    python benchmarks/bench_eagle3_step.py --ttt-steps 3 --precision fp32
+    python benchmarks/bench_training_step.py --head eagle3        # 7 TTT steps, bf16 autocast, 4 x 512
+    python benchmarks/bench_training_step.py --head eagle3 --ttt-steps 3 --precision fp32
+    python benchmarks/bench_training_step.py --head adadecode --precision fp32
 """
 from __future__ import annotations
 
@@ -42,7 +51,7 @@ import torch.nn.functional as F  # noqa: E402
 
 def build(args):
     """(head, batch): a SmolLM2-shaped random base (``--base-layers`` layers; the head reads hs[1..3]
-    and its cost does not depend on the base's depth) and an eagle3 head over a 16k draft vocabulary."""
+    and its cost does not depend on the base's depth) and an ``--head`` head over a 16k draft vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import heads
@@ -53,8 +62,9 @@ def build(args):
                       tie_word_embeddings=True)
     base = LlamaForCausalLM(cfg).eval()
     counts = torch.randint(1, 1000, (cfg.vocab_size,))
-    head = heads.build({"type": "eagle3", "layers": [1, 2, 3], "ttt_steps": args.ttt_steps,
-                        "draft_vocab_size": args.draft_vocab}, base, label_counts=counts, counts_source="bench")
+    extra = {"ttt_steps": args.ttt_steps} if args.head == "eagle3" else {}
+    head = heads.build({"type": args.head, "layers": [1, 2, 3], "draft_vocab_size": args.draft_vocab, **extra},
+                       base, label_counts=counts, counts_source="bench")
     B, T, H = args.batch_size, args.length, cfg.hidden_size
     g = torch.Generator().manual_seed(args.seed)
     loss_mask = torch.ones(B, T, dtype=torch.bool)
@@ -91,6 +101,30 @@ def textbook_loss(head, batch):
     return total
 
 
+def checkpointed_loss(head, batch):
+    """AdaDecode's loss before the fused path (module doc): per chunk, the KL of ``kl_per_token``
+    over ``layer_logits`` under ``torch.utils.checkpoint``, weights all 1."""
+    from torch.utils.checkpoint import checkpoint
+
+    from losses.adadecode import kl_per_token
+
+    def chunk(hidden, *aux):
+        with torch.autocast("cpu", enabled=False):
+            t = head.teacher_logits(hidden).detach()
+            return torch.stack([kl_per_token(t, head.layer_logits(l, h)).sum() for l, h in zip(head.layers, aux)])
+
+    hidden, aux, _ = head._gather(batch)
+    step = int(head.cfg["chunk_tokens"])
+    total = torch.zeros(len(head.layers))
+    for s in range(0, hidden.shape[0], step):
+        total = total + checkpoint(chunk, hidden[s:s + step], *[aux[l][s:s + step] for l in head.layers],
+                                   use_reentrant=False)
+    return total.sum() / max(hidden.shape[0], 1)
+
+
+REFERENCES = {"eagle3": ("textbook", textbook_loss), "adadecode": ("checkpointed", checkpointed_loss)}
+
+
 def run(args) -> dict:
     import copy
 
@@ -98,7 +132,8 @@ def run(args) -> dict:
 
     torch.set_num_threads(args.threads)
     head0, batch = build(args)
-    variants = {"head": lambda h: h.training_loss(batch, Progress())[0], "textbook": lambda h: textbook_loss(h, batch)}
+    ref_name, ref_loss = REFERENCES[args.head]
+    variants = {"head": lambda h: h.training_loss(batch, Progress())[0], ref_name: lambda h: ref_loss(h, batch)}
     models = {name: copy.deepcopy(head0) for name in variants}
     opts = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
             for name, m in models.items()}
@@ -124,24 +159,27 @@ def run(args) -> dict:
     for name, ts in times.items():
         med = statistics.median(ts)
         res["variants"][name] = {"median_s": med, "tokens_per_s": tokens / med, "first_loss": first_loss[name]}
-    res["speedup"] = res["variants"]["textbook"]["median_s"] / res["variants"]["head"]["median_s"]
+    res["reference"] = ref_name
+    res["speedup"] = res["variants"][ref_name]["median_s"] / res["variants"]["head"]["median_s"]
     return res
 
 
 def markdown(res: dict) -> str:
     a = res["args"]
-    lines = [f"eagle3 training step, {a['batch_size']} x {a['length']} tokens, {a['ttt_steps']} TTT steps, "
+    steps = f"{a['ttt_steps']} TTT steps, " if a["head"] == "eagle3" else "3 candidate layers, "
+    lines = [f"{a['head']} training step, {a['batch_size']} x {a['length']} tokens, {steps}"
              f"{a['precision']}, {a['threads']} threads, draft vocabulary {a['draft_vocab']}", "",
              "| loss path | s / step (median) | tokens/s | first-step loss |", "|---|---|---|---|"]
     for name, v in res["variants"].items():
         lines.append(f"| {name} | {v['median_s']:.2f} | {v['tokens_per_s']:.0f} | {v['first_loss']:.5f} |")
-    lines.append(f"\nhead / textbook: **{res['speedup']:.2f}x**")
+    lines.append(f"\nhead / {res['reference']}: **{res['speedup']:.2f}x**")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--head", choices=sorted(REFERENCES), required=True)
+    p.add_argument("--ttt-steps", type=int, default=7, help="eagle3 only")
     p.add_argument("--precision", choices=("bf16-mixed", "fp32"), default="bf16-mixed")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--length", type=int, default=512)
@@ -151,8 +189,9 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "eagle3_step")
+    p.add_argument("--out", type=Path, default=None, help="default outputs/bench/<head>_step")
     args = p.parse_args(argv)
+    args.out = args.out or ROOT / "outputs" / "bench" / f"{args.head}_step"
     res = run(args)
     text = markdown(res)
     print(text)
