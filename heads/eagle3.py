@@ -42,7 +42,8 @@ x_{t+2} (the base's greedy label at position t+1), as EAGLE-1/Falcon k = 1 do.
   one causal score matrix against step 0 plus one diagonal score per later step (O(T² + S·T)
   per step, no Python loop over positions).
 
-Loss: :func:`losses.eagle3.ttt_loss`.  Decoding: :class:`decoding.eagle3.Eagle3Drafter` (EAGLE-2
+Loss: :func:`losses.eagle3.ttt_loss` (soft targets: each step through the fused LM head,
+:class:`DraftLMHead`).  Decoding: :class:`decoding.eagle3.Eagle3Drafter` (EAGLE-2
 dynamic tree).  Exports: :mod:`heads.export`.
 """
 from __future__ import annotations
@@ -56,7 +57,8 @@ from torch import nn
 
 from heads.base import DraftHead, Progress
 from heads.registry import register
-from losses.eagle3 import TARGETS, ttt_loss, ttt_step_masks
+from losses.eagle3 import TARGETS, soft_cross_entropy, ttt_combine, ttt_loss, ttt_step_masks
+from losses.linear_soft_ce import linear_soft_cross_entropy
 from losses.ttt import shift_left
 
 DEFAULTS: dict[str, Any] = {
@@ -239,6 +241,29 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), extra
 
 
+class DraftLMHead(nn.Linear):
+    """EAGLE-3's trainable LM head over the draft vocabulary: weight [N, H], no bias.
+
+    ``head(x)`` gives the logits [..., N] (``nn.Linear``).  ``head(x, probs=p)`` gives a TTT step's
+    summed soft cross-entropy against the teacher p [M, N] and the argmax of each row [M] through
+    :func:`losses.linear_soft_ce.linear_soft_cross_entropy`, which takes the gradients in its forward
+    and never keeps the [M, N] logits.  It runs inside this module's call so that ZeRO-3 gathers the
+    weight for it; a ZeRO-3 partitioned weight (``ds_id``) takes the autograd path instead, whose
+    backward ZeRO-3 re-gathers the weight for.
+    """
+
+    def __init__(self, hidden_size: int, num_tokens: int) -> None:
+        super().__init__(hidden_size, num_tokens, bias=False)
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor | None = None):
+        if probs is None:
+            return super().forward(x)
+        if hasattr(self.weight, "ds_id"):
+            z = super().forward(x).float()
+            return soft_cross_entropy(z, probs).sum(), z.argmax(-1)
+        return linear_soft_cross_entropy(x, self.weight, probs)
+
+
 @register
 class Eagle3Head(DraftHead):
     """The EAGLE-3 draft head (module docstring).
@@ -285,7 +310,7 @@ class Eagle3Head(DraftHead):
         self.midlayer = Eagle3DecoderLayer(layer_cfg, norm_before_residual=merged["norm_before_residual"])
         self.norm = LlamaRMSNorm(H, eps=float(getattr(base_config, "rms_norm_eps", 1e-6)))
         # own trainable head; not `lm_head` / `draft_lm_head` (DraftHead's frozen W / W[d2t] methods)
-        self.trainable_lm_head = nn.Linear(H, self.num_draft_tokens, bias=False)
+        self.trainable_lm_head = DraftLMHead(H, self.num_draft_tokens)
         self.rotary_emb = LlamaRotaryEmbedding(layer_cfg)
         std = float(getattr(base_config, "initializer_range", 0.02))
         for module in (self.fc, self.midlayer):
@@ -440,13 +465,30 @@ class Eagle3Head(DraftHead):
         return out
 
     def _run(self, batch: dict[str, Any]):
+        """The unrolled forward and its loss: ``(steps, masks, targets, loss, parts, argmax)``.
+
+        ``steps``/``masks`` as :meth:`ttt_forward`/:func:`ttt_step_masks`, ``targets`` as
+        :meth:`_targets`, ``loss, parts`` as :func:`ttt_loss`, ``argmax`` per step the draft argmax
+        [M_i] (draft ids).  Soft targets: each step's CE from the fused LM head
+        (:class:`DraftLMHead` with ``probs``, no [M_i, N] logits kept); greedy: logits and
+        :func:`ttt_loss`.
+        """
         ids = batch["input_ids"]
         valid = batch["attention_mask"].bool()
         lm = batch["loss_mask"].bool() & valid
         steps = self.ttt_forward(self._features(batch), ids, valid)
         masks = ttt_step_masks(lm, len(steps))
-        logits = [self.draft_logits(h[m]) for h, m in zip(steps, masks)]
-        return steps, masks, logits, self._targets(batch, lm, masks)
+        targets = self._targets(batch, lm, masks)
+        decay = float(self.cfg["ttt_decay"])
+        if self.cfg["loss"]["target"] == "soft":
+            sums, argmax = zip(*[self.trainable_lm_head(self.norm(h[m]), probs=p)
+                                 for h, m, (p, _) in zip(steps, masks, targets)])
+            loss, parts = ttt_combine(list(sums), [a.shape[0] for a in argmax], decay)
+        else:
+            logits = [self.draft_logits(h[m]) for h, m in zip(steps, masks)]
+            loss, parts = ttt_loss(logits, [t[0] for t in targets], decay)
+            argmax = [lg.argmax(-1) for lg in logits]
+        return steps, masks, targets, loss, parts, list(argmax)
 
     def _oov(self, labels: torch.Tensor) -> torch.Tensor:
         """[M] bool: the greedy label (base id) lies outside the draft vocabulary (all False if full)."""
@@ -461,15 +503,14 @@ class Eagle3Head(DraftHead):
         ``loss_tokens`` (step-0 positions), ``oov_rate`` (step-0 positions whose greedy label lies
         outside the draft vocabulary; they leave the greedy CE, the soft teacher keeps them).
         """
-        steps, masks, logits, targets = self._run(batch)
-        loss, parts = ttt_loss(logits, [t[0] for t in targets], float(self.cfg["ttt_decay"]))
+        steps, masks, targets, loss, parts, argmax = self._run(batch)
         loss = loss + 0.0 * sum(h.sum() for h in steps)  # keep every parameter in the graph (DDP) on empty steps
         lab0 = targets[0][1]
         metrics = {"loss": float(loss.detach()), "loss_tokens": float(masks[0].sum()),
                    "oov_rate": float(self._oov(lab0).sum()) / max(lab0.numel(), 1)}
-        for i, (lg, (_, lab)) in enumerate(zip(logits, targets)):
+        for i, (am, (_, lab)) in enumerate(zip(argmax, targets)):
             metrics[f"loss_step{i}"] = float(parts[i])
-            hit = self.to_base_ids(lg.argmax(-1)) == lab if lg.shape[0] else torch.zeros(0, dtype=torch.bool)
+            hit = self.to_base_ids(am) == lab if am.shape[0] else torch.zeros(0, dtype=torch.bool)
             metrics[f"acc_step{i}"] = float(hit.float().mean()) if hit.numel() else 0.0
         return loss, metrics
 
@@ -485,15 +526,14 @@ class Eagle3Head(DraftHead):
         tokens, so it is the chain acceptance of decoding exactly when the data tokens are the
         base's greedy output (``labels=regenerate``), an optimistic proxy otherwise.
         """
-        steps, masks, logits, targets = self._run(batch)
-        loss, _ = ttt_loss(logits, [t[0] for t in targets], float(self.cfg["ttt_decay"]))
+        steps, masks, targets, loss, _, argmax = self._run(batch)
         B, T = masks[0].shape
         alive = masks[0].clone()
         tau = masks[0].float()
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i, (m, lg, (_, lab)) in enumerate(zip(masks, logits, targets)):
+        for i, (m, am, (_, lab)) in enumerate(zip(masks, argmax, targets)):
             hit = torch.zeros(B, T, dtype=torch.bool, device=m.device)
-            hit[m] = self.to_base_ids(lg.argmax(-1)) == lab
+            hit[m] = self.to_base_ids(am) == lab
             out[f"acc_step{i}"] = (hit.sum().float(), m.sum().float())
             alive = alive & hit
             tau = tau + alive.float()

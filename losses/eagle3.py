@@ -7,7 +7,9 @@ Pure functions on tensors:
   one backward) so that the [M, N] soft targets of every TTT step cost two reads, not a
   log-softmax, a product and their backwards;
 * :func:`ttt_loss` — L = Σ_i decay^i · CE_i (``ploss_weight = [0.8**i ...]`` in
-  ``traineagle3/main.py``), each CE_i a masked mean over step i's positions.
+  ``traineagle3/main.py``), each CE_i a masked mean over step i's positions;
+  :func:`ttt_combine` — the same sum from per-step CE sums (the fused LM-head path,
+  :func:`losses.linear_soft_ce.linear_soft_cross_entropy`).
 """
 from __future__ import annotations
 
@@ -107,8 +109,7 @@ def ttt_loss(step_logits: list[torch.Tensor], step_targets: list[torch.Tensor], 
     """
     if len(step_logits) != len(step_targets) or not step_logits:
         raise ValueError(f"{len(step_logits)} step logits but {len(step_targets)} step targets")
-    total = step_logits[0].new_zeros((), dtype=torch.float32)
-    parts = []
+    sums, counts = [], []
     for i, (lg, tg) in enumerate(zip(step_logits, step_targets)):
         if tg.dtype.is_floating_point:
             if tg.shape != lg.shape:
@@ -123,7 +124,26 @@ def ttt_loss(step_logits: list[torch.Tensor], step_targets: list[torch.Tensor], 
             keep = tg >= 0  # −1: greedy label outside the draft vocabulary, no CE term
             ce = -logq.gather(-1, tg.long().clamp_min(0).unsqueeze(-1)).squeeze(-1) * keep
             scored = int(keep.sum())
-        mean = ce.sum() / max(scored, 1)
+        sums.append(ce.sum())
+        counts.append(scored)
+    return ttt_combine(sums, counts, decay)
+
+
+def ttt_combine(step_sums: list[torch.Tensor], step_counts: list[int], decay: float = 0.8):
+    """Σ_i decay^i · (S_i / max(n_i, 1)): the TTT loss from each step's summed CE S_i over n_i rows.
+
+    Args:
+        step_sums: per step a scalar Σ CE (float32, connected to the graph).
+        step_counts: per step the number of scored rows n_i (0: the step adds 0, still connected).
+        decay: the step weight base (EAGLE-3: 0.8).
+
+    Returns:
+        ``(loss, parts)`` as :func:`ttt_loss`.
+    """
+    total = step_sums[0].new_zeros((), dtype=torch.float32)
+    parts = []
+    for i, (ce_sum, n) in enumerate(zip(step_sums, step_counts)):
+        mean = ce_sum.float() / max(int(n), 1)
         parts.append(mean.detach())
         total = total + (decay ** i) * mean
     return total, parts

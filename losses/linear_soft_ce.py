@@ -29,34 +29,40 @@ import torch
 DEFAULT_CHUNK_ROWS = 256  # [256, 16384] fp32 logits = 16 MiB: a chunk stays in a 32 MiB L3
 
 
+def _chunked(x, weight, probs, compute_dtype, chunk_rows, need_x, need_w):
+    """(Σ CE, argmax [M], ∂/∂x [M, H] or None, ∂/∂W [N, H] or None), one row chunk at a time."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        xs = x.to(compute_dtype)
+        w = weight.to(compute_dtype)
+        acc = probs.dtype  # float32, or float64 for float64 inputs
+        total = torch.zeros((), dtype=acc, device=x.device)
+        argmax = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+        gx = torch.empty_like(xs) if need_x else None
+        gw = torch.zeros(weight.shape, dtype=acc, device=x.device) if need_w else None
+        for s in range(0, x.shape[0], chunk_rows):
+            xc = xs[s:s + chunk_rows]
+            z = (xc @ w.T).to(acc)                                       # [c, N]
+            argmax[s:s + chunk_rows] = z.argmax(-1)
+            p = probs[s:s + chunk_rows]
+            lse = torch.logsumexp(z, dim=-1)
+            total += (lse - torch.linalg.vecdot(p, z)).sum()
+            if not (need_x or need_w):
+                continue
+            g = z.sub_(lse.unsqueeze(-1)).exp_().sub_(p).to(compute_dtype)  # softmax(z) − p
+            if need_x:
+                gx[s:s + chunk_rows] = g @ w
+            if need_w:
+                gw += (g.T @ xc).to(acc)
+    return total, argmax, gx, gw
+
+
 class _LinearSoftCrossEntropy(torch.autograd.Function):
     """Σ_r CE(p_r, W x_r) with its gradients taken in the forward (module docstring)."""
 
     @staticmethod
     def forward(ctx, x, weight, probs, compute_dtype, chunk_rows):
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            xc_all = x.to(compute_dtype)
-            w = weight.to(compute_dtype)
-            acc = probs.dtype  # float32, or float64 for float64 inputs
-            total = torch.zeros((), dtype=acc, device=x.device)
-            argmax = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-            gx = torch.empty_like(xc_all) if need_x else None
-            gw = torch.zeros(weight.shape, dtype=acc, device=x.device) if need_w else None
-            for s in range(0, x.shape[0], chunk_rows):
-                xc = xc_all[s:s + chunk_rows]
-                z = (xc @ w.T).to(acc)                                       # [c, N]
-                argmax[s:s + chunk_rows] = z.argmax(-1)
-                p = probs[s:s + chunk_rows]
-                lse = torch.logsumexp(z, dim=-1)
-                total += (lse - torch.linalg.vecdot(p, z)).sum()
-                if not (need_x or need_w):
-                    continue
-                g = z.sub_(lse.unsqueeze(-1)).exp_().sub_(p).to(compute_dtype)  # softmax(z) − p
-                if need_x:
-                    gx[s:s + chunk_rows] = g @ w
-                if need_w:
-                    gw += (g.T @ xc).to(acc)
+        total, argmax, gx, gw = _chunked(x, weight, probs, compute_dtype, chunk_rows,
+                                         ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.save_for_backward(gx, gw)
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.mark_non_differentiable(argmax)
@@ -105,7 +111,10 @@ def linear_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, probs: torc
     dev = x.device.type
     compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
-    return _LinearSoftCrossEntropy.apply(x, weight, probs.detach().to(acc), compute_dtype, int(chunk_rows))
+    probs = probs.detach().to(acc)
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return _chunked(x, weight, probs, compute_dtype, int(chunk_rows), False, False)[:2]  # no gradient work
+    return _LinearSoftCrossEntropy.apply(x, weight, probs, compute_dtype, int(chunk_rows))
 
 
 @torch.no_grad()

@@ -182,6 +182,39 @@ def test_soft_cross_entropy_equals_log_softmax_form_value_and_gradient():
         soft_cross_entropy(z, p[:, :49])
 
 
+@pytest.mark.parametrize("zero3", [False, True])
+def test_fused_lm_head_gradients_equal_autograd_through_the_logits(tiny_base, zero3):
+    """training_loss's soft CE through DraftLMHead(x, probs) (gradients taken in the forward, or the
+    autograd path for a ZeRO-3 partitioned weight) equals ttt_loss over draft_logits: loss, every
+    parameter's gradient and the per-step accuracy."""
+    from heads import Progress
+    from losses.eagle3 import ttt_loss
+
+    base = tiny_base[0]
+    head = _head(base, ttt_steps=3)
+    if zero3:
+        head.trainable_lm_head.weight.ds_id = 0  # what DeepSpeed ZeRO-3 marks its parameters with
+    batch = _batch(base, [11, 8], mask_from=1)
+    loss, metrics = head.training_loss(batch, Progress())
+    loss.backward()
+    fused = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+    head.zero_grad(set_to_none=True)
+    lm = batch["loss_mask"] & batch["attention_mask"]
+    steps = head.ttt_forward(head._features(batch), batch["input_ids"], batch["attention_mask"])
+    masks = head._run(batch)[1]
+    logits = [head.draft_logits(h[m]) for h, m in zip(steps, masks)]
+    ref, _ = ttt_loss(logits, [t[0] for t in head._targets(batch, lm, masks)], 0.8)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    assert set(fused) == {n for n, p in head.named_parameters() if p.grad is not None}
+    for n, p in head.named_parameters():
+        torch.testing.assert_close(fused[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert float(fused["trainable_lm_head.weight"].abs().max()) > 0
+    for i, (lg, m) in enumerate(zip(logits, masks)):
+        acc = float((head.to_base_ids(lg.argmax(-1)) == batch["labels"][m]).float().mean())
+        assert metrics[f"acc_step{i}"] == pytest.approx(acc)
+
+
 def test_greedy_target_and_validation_metrics(tiny_base):
     base = tiny_base[0]
     head = _head(base, ttt_steps=3, loss={"target": "greedy"})
