@@ -239,8 +239,7 @@ class AdaDecodeHead(DraftHead):
             for layer, h in zip(self.layers, aux):
                 T = self.transforms[str(layer)]
                 x = T(self.final_norm(h.to(T.weight.dtype))).float()
-                ce, _ = linear_soft_cross_entropy(x, w, probs)
-                kls.append(ce - entropy.sum())
+                kls.append(linear_soft_cross_entropy(x, w, probs).loss - entropy.sum())
             return torch.stack(kls)
 
     def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:

@@ -261,7 +261,8 @@ class DraftLMHead(nn.Linear):
         if hasattr(self.weight, "ds_id"):
             z = super().forward(x).float()
             return soft_cross_entropy(z, probs).sum(), z.argmax(-1)
-        return linear_soft_cross_entropy(x, self.weight, probs)
+        out = linear_soft_cross_entropy(x, self.weight, probs)
+        return out.loss, out.argmax
 
 
 @register

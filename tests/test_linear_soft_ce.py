@@ -25,7 +25,7 @@ def make(M=37, H=16, N=50, dtype=torch.float64, seed=0):
 def test_value_gradients_and_argmax_match_brute_force(chunk_rows):
     x, w, probs = make(dtype=torch.float32)
     x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss, argmax = linear_soft_cross_entropy(x1, w1, probs, chunk_rows=chunk_rows)
+    loss, argmax, lse = linear_soft_cross_entropy(x1, w1, probs, chunk_rows=chunk_rows)
     (2.5 * loss).backward()  # a non-unit upstream gradient scales both stored gradients
     x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
     ref = brute(x2, w2, probs)
@@ -35,6 +35,7 @@ def test_value_gradients_and_argmax_match_brute_force(chunk_rows):
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-4, atol=1e-5)
     assert torch.equal(argmax, (x @ w.T).argmax(-1))
+    torch.testing.assert_close(lse, torch.logsumexp(x @ w.T, -1))
 
 
 def test_gradcheck_float64():
@@ -43,13 +44,13 @@ def test_gradcheck_float64():
     x.requires_grad_()
     w.requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda a, b: linear_soft_cross_entropy(a, b, probs, chunk_rows=4)[0].double(), (x, w))
+        lambda a, b: linear_soft_cross_entropy(a, b, probs, chunk_rows=4).loss, (x, w))
 
 
 def test_frozen_weight_gets_no_gradient_and_rows_still_do():
     x, w, probs = make(dtype=torch.float32)
     x.requires_grad_()
-    loss, _ = linear_soft_cross_entropy(x, w, probs, chunk_rows=8)
+    loss = linear_soft_cross_entropy(x, w, probs, chunk_rows=8).loss
     loss.backward()
     x2 = x.detach().clone().requires_grad_()
     brute(x2, w, probs).backward()
@@ -61,7 +62,7 @@ def test_no_rows_gives_zero_loss_and_empty_gradient():
     x, w, probs = make(M=0, dtype=torch.float32)
     x.requires_grad_()
     w.requires_grad_()
-    loss, argmax = linear_soft_cross_entropy(x, w, probs)
+    loss, argmax, _ = linear_soft_cross_entropy(x, w, probs)
     loss.backward()
     assert float(loss) == 0.0 and argmax.shape == (0,)
     assert x.grad.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
@@ -74,7 +75,7 @@ def test_bf16_autocast_runs_the_products_in_bf16_like_linear():
     x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
     x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _ = linear_soft_cross_entropy(x1, w1, probs, chunk_rows=16)
+        loss = linear_soft_cross_entropy(x1, w1, probs, chunk_rows=16).loss
         ref = -(probs * F.log_softmax(F.linear(x2, w2).float(), -1)).sum()
     loss.backward()
     ref.backward()
@@ -91,7 +92,7 @@ def test_teacher_entropy_turns_the_ce_into_the_kl():
     x, w, _ = make(dtype=torch.float32)
     t = torch.randn(x.shape[0], w.shape[0], generator=torch.Generator().manual_seed(3))
     probs, ent = teacher_entropy(t)
-    ce, _ = linear_soft_cross_entropy(x, w, probs)
+    ce = linear_soft_cross_entropy(x, w, probs).loss
     kl = F.kl_div(F.log_softmax(x @ w.T, -1), F.log_softmax(t, -1), reduction="sum", log_target=True)
     torch.testing.assert_close(ce - ent.sum(), kl, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ent, -(probs * probs.log()).sum(-1), rtol=1e-5, atol=1e-5)
@@ -105,5 +106,27 @@ def test_bad_shapes_are_named(shapes, match):
     x, w, p = (torch.zeros(s) for s in shapes)
     with pytest.raises(ValueError, match=match):
         linear_soft_cross_entropy(x, w, p)
+    with pytest.raises(ValueError, match="target masses"):
+        linear_soft_cross_entropy(torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(2, 4), mass=torch.ones(3))
     with pytest.raises(ValueError, match="chunk_rows"):
         linear_soft_cross_entropy(torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(2, 4), chunk_rows=0)
+
+
+def test_targets_of_any_mass_a_distribution_mixed_with_one_hot_labels():
+    """Falcon's target α/M·p + (1−α)/M_ce·e_y (rows of mass ≠ 1, some without the label term):
+    the loss is −Σ t log softmax(z) and the gradients follow (m·softmax − t)."""
+    x, w, probs = make(dtype=torch.float32)
+    y = torch.randint(0, w.shape[0], (x.shape[0],), generator=torch.Generator().manual_seed(4))
+    keep = torch.arange(x.shape[0]) % 3 != 0
+    t = probs * (0.9 / x.shape[0])
+    t[keep.nonzero().squeeze(-1), y[keep]] += 0.1 / int(keep.sum())
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    mass = 0.9 / x.shape[0] + keep * (0.1 / int(keep.sum()))
+    loss = linear_soft_cross_entropy(x1, w1, t, mass=mass, chunk_rows=6).loss
+    loss.backward()
+    ref = brute(x2, w2, t)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-4, atol=1e-7)
