@@ -26,7 +26,7 @@ from torch import nn
 from decoding.masks import additive_mask, block_causal_mask
 from heads.base import DraftHead, Progress
 from heads.registry import register
-from losses.falcon import falcon_loss, glancing_positions, glancing_ratio
+from losses.falcon import falcon_loss, falcon_loss_fused, glancing_positions, glancing_ratio
 
 FUSE_TYPES = ("linear", "lstm")
 NOISE_TYPES = ("uniform", "length_scaled", "none")
@@ -246,18 +246,23 @@ class FalconHead(DraftHead):
         sel_pred = pred[mask]
         sel_tgt = inp["F_tgt"][mask]
         in_vocab = inp["in_vocab"][mask]
-        student = self.logits_fp32(sel_pred)
         if teacher is None:
             with torch.no_grad():  # frozen W, data features: the teacher carries no gradient
                 teacher = self.logits_fp32(sel_tgt)
         if teacher_ids is None:
             teacher_ids = teacher.argmax(-1)
         L = self.cfg["loss"]
-        loss, parts = falcon_loss(sel_pred, sel_tgt, student, teacher,
-                                  torch.ones(sel_pred.shape[0], dtype=torch.bool, device=pred.device),
-                                  alpha=float(L["alpha"]), omega=float(L["omega"]), beta=float(L["beta"]),
-                                  ce_mask=in_vocab, teacher_ids=teacher_ids)
-        hit = (student.detach().argmax(-1) == teacher_ids) & in_vocab  # [M] top-1 agreement per loss position
+        coef = dict(alpha=float(L["alpha"]), omega=float(L["omega"]), beta=float(L["beta"]),
+                    ce_mask=in_vocab, teacher_ids=teacher_ids)
+        if torch.is_grad_enabled() and coef["alpha"] > 0:  # training: no student logits kept
+            student = None
+            loss, parts, student_ids = falcon_loss_fused(sel_pred, sel_tgt, self.draft_lm_head_rows, teacher, **coef)
+        else:
+            student = self.logits_fp32(sel_pred)
+            loss, parts = falcon_loss(sel_pred, sel_tgt, student, teacher,
+                                      torch.ones(sel_pred.shape[0], dtype=torch.bool, device=pred.device), **coef)
+            student_ids = student.detach().argmax(-1)
+        hit = (student_ids == teacher_ids) & in_vocab  # [M] top-1 agreement per loss position
         acc = hit.float().mean() if sel_pred.shape[0] else student.new_zeros(())
         return loss, parts, acc, student, hit
 

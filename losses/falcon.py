@@ -2,7 +2,8 @@
 
 Pure functions on tensors (METHODS.md §1.3, §1.4; Falcon, arXiv 2412.12639):
 
-* :func:`falcon_loss` — L = L_reg + ω·(α·KL(p‖q) + (1−α)·CE(y, q)), masked means.
+* :func:`falcon_loss` — L = L_reg + ω·(α·KL(p‖q) + (1−α)·CE(y, q)), masked means;
+  :func:`falcon_loss_fused` — the same from the drafter features and W, without student logits.
 * :func:`glancing_ratio` — the glancing ratio λ at a training point (paper / official-code /
   constant schedules, per-step or per-epoch).
 * :func:`glancing_positions` — the vectorised CSGD replacement mask R (any batch size).
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from losses.linear_soft_ce import linear_soft_cross_entropy, teacher_entropy
 
 GLANCING_SCHEDULES = ("linear", "constant")
 GLANCING_UNITS = ("epoch", "step")
@@ -83,6 +86,68 @@ def falcon_loss(
     reg_m, kl_m, ce_m = _masked_mean(reg, mask), _masked_mean(kl, mask), _masked_mean(ce, ce_keep)
     loss = reg_m + omega * (alpha * kl_m + (1.0 - alpha) * ce_m)
     return loss, {"reg": reg_m.detach(), "kl": kl_m.detach(), "ce": ce_m.detach()}
+
+
+def falcon_loss_fused(
+    pred_feat: torch.Tensor,
+    target_feat: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    alpha: float = 0.9,
+    omega: float = 0.1,
+    beta: float = 1.0,
+    ce_mask: torch.Tensor | None = None,
+    teacher_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """:func:`falcon_loss` over every row, with the student logits q = softmax(W f̂) never formed.
+
+    The distillation term is one soft cross-entropy per row against t = α/M·p + (1−α)/M_ce·e_y
+    (M rows, M_ce of them with a CE term), since α·KL_m + (1−α)·CE_m = Σ_r CE(t_r, W f̂_r) − α/M·Σ_r H(p_r):
+    :func:`losses.linear_soft_ce.linear_soft_cross_entropy` takes its gradient through W in the
+    forward, one row chunk at a time.  Loss and gradients equal :func:`falcon_loss` to fp32
+    rounding; the reported ``kl`` part is recovered from the sum (a few 1e-7 nats of cancellation).
+
+    Args:
+        pred_feat: drafter features f̂ [M, H] (any float dtype).
+        target_feat: target features f_{t+k} [M, H].
+        weight: the frozen LM head's rows [N, H] (W, or W[d2t] over a draft vocabulary).
+        teacher_logits: W f_{t+k} [M, N] (no gradient).
+        alpha, omega, beta, ce_mask, teacher_ids: as :func:`falcon_loss`; ``alpha`` must be > 0.
+
+    Returns:
+        ``(loss, parts, student_ids)``: as :func:`falcon_loss`, plus the student argmax [M] int64.
+        All computation is in fp32, autocast off.
+
+    Raises:
+        ValueError: mismatched shapes, or ``alpha`` <= 0 (use :func:`falcon_loss`).
+    """
+    if pred_feat.shape != target_feat.shape or pred_feat.dim() != 2:
+        raise ValueError(f"pred_feat {tuple(pred_feat.shape)} and target_feat {tuple(target_feat.shape)} must be equal [M, H]")
+    if teacher_logits.shape != (pred_feat.shape[0], weight.shape[0]):
+        raise ValueError(f"teacher_logits {tuple(teacher_logits.shape)} != [M, N] = {(pred_feat.shape[0], weight.shape[0])}")
+    if not alpha > 0:
+        raise ValueError(f"falcon_loss_fused needs alpha > 0 (got {alpha}); use falcon_loss")
+    M = pred_feat.shape[0]
+    with torch.autocast(device_type=pred_feat.device.type, enabled=False):
+        f = pred_feat.float()
+        w = weight.float()
+        reg = F.smooth_l1_loss(f, target_feat.float(), reduction="none", beta=beta).mean(-1)
+        reg_m = reg.sum() / max(M, 1)
+        y = teacher_logits.argmax(-1) if teacher_ids is None else teacher_ids
+        keep = torch.ones(M, dtype=torch.bool, device=f.device) if ce_mask is None else ce_mask.bool()
+        rows = keep.nonzero().squeeze(-1)
+        n_ce = max(int(rows.numel()), 1)
+        probs, entropy = teacher_entropy(teacher_logits)
+        target = probs.mul_(alpha / max(M, 1))
+        target[rows, y[rows]] += (1.0 - alpha) / n_ce
+        mass = torch.full((M,), alpha / max(M, 1), dtype=torch.float32, device=f.device) + keep * ((1.0 - alpha) / n_ce)
+        out = linear_soft_cross_entropy(f, w, target, mass=mass)
+        distill = out.loss - alpha * entropy.sum() / max(M, 1)
+        with torch.no_grad():
+            ce_m = (out.lse[rows] - torch.linalg.vecdot(f[rows], w[y[rows]])).sum() / n_ce
+            kl_m = (distill - (1.0 - alpha) * ce_m) / alpha
+    loss = reg_m + omega * distill
+    return loss, {"reg": reg_m.detach(), "kl": kl_m.detach(), "ce": ce_m.detach()}, out.argmax
 
 
 def glancing_ratio(cfg: dict[str, Any], progress) -> float:

@@ -213,6 +213,36 @@ def test_falcon_loss_hand_computed():
     assert float(loss) == pytest.approx(reg + 0.1 * (0.9 * kl + 0.1 * ce), abs=1e-6)
 
 
+@pytest.mark.parametrize("alpha", [0.9, 0.3, 1.0])
+@pytest.mark.parametrize("rows", [37, 0])
+def test_fused_falcon_loss_equals_falcon_loss_and_its_gradient(alpha, rows):
+    """falcon_loss_fused (no student logits) against falcon_loss over W f̂: loss, the three parts,
+    the gradient to f̂ and the student argmax, with some rows out of the CE (ce_mask)."""
+    from losses.falcon import falcon_loss_fused
+
+    g = torch.Generator().manual_seed(7)
+    H, N = 12, 40
+    W = torch.randn(N, H, generator=g)
+    pred = torch.randn(rows, H, generator=g)
+    tgt = torch.randn(rows, H, generator=g)
+    teacher = 2 * torch.randn(rows, H, generator=g) @ W.T
+    keep = torch.arange(rows) % 4 != 1
+    ids = teacher.argmax(-1)
+    kw = dict(alpha=alpha, omega=0.1, beta=1.0, ce_mask=keep, teacher_ids=ids)
+    p1, p2 = pred.clone().requires_grad_(), pred.clone().requires_grad_()
+    loss, parts, student_ids = falcon_loss_fused(p1, tgt, W, teacher, **kw)
+    ref, ref_parts = falcon_loss(p2, tgt, p2 @ W.T, teacher, torch.ones(rows, dtype=torch.bool), **kw)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for k in ("reg", "kl", "ce"):
+        torch.testing.assert_close(parts[k], ref_parts[k], rtol=1e-5, atol=2e-6, msg=k)
+    torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-4, atol=1e-7)
+    assert torch.equal(student_ids, (pred @ W.T).argmax(-1))
+    with pytest.raises(ValueError, match="alpha > 0"):
+        falcon_loss_fused(pred, tgt, W, teacher, alpha=0.0)
+
+
 def test_training_step_k1_baseline_and_grads(base):
     head = _head(base, block_size=1, glancing={"enabled": False}).train()
     loss, metrics = head.training_loss(_batch(base), Progress())

@@ -97,7 +97,19 @@ def test_csgd_step_scores_the_teacher_once(tiny_base):
         return scorer(h)
 
     head.logits_fp32 = counting
-    _, metrics = head.training_loss(batch, Progress(step=0, total_steps=10))
+    import heads.falcon as falcon_module
+
+    fused = falcon_module.falcon_loss_fused  # pass B scores the student inside the fused loss
+
+    def counting_fused(pred_feat, *args, **kwargs):
+        rows.append(int(pred_feat.shape[0]))
+        return fused(pred_feat, *args, **kwargs)
+
+    falcon_module.falcon_loss_fused = counting_fused
+    try:
+        _, metrics = head.training_loss(batch, Progress(step=0, total_steps=10))
+    finally:
+        falcon_module.falcon_loss_fused = fused
     inp = head.prepare_inputs(batch)
     M = int(inp["mask"].sum())
     in_vocab = int((inp["mask"] & inp["in_vocab"]).sum())
