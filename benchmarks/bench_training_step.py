@@ -14,6 +14,12 @@ round-robin so machine load drifts hit both alike:
     step the teacher logits gathered for that step's rows, ``-(softmax(teacher) *
     log_softmax(z)).sum(-1)``, and the draft LM head in fp32.
 
+``--head falcon_k1`` (``configs/heads/falcon_k1.yaml``)
+  * ``head``: :meth:`heads.falcon.FalconHead.training_loss` as trained (the distillation term
+    through :func:`losses.falcon.falcon_loss_fused`, no student logits);
+  * ``logits``: the same step with the student logits W f̂ formed, kept and fed to
+    :func:`losses.falcon.falcon_loss` (this repository's loss path before the fused one).
+
 ``--head adadecode`` (three candidate layers, as the default 8/15/22 of 30)
   * ``head``: :meth:`heads.adadecode.AdaDecodeHead.training_loss` as trained (each chunk's
     gradients taken in its forward, :func:`losses.linear_soft_ce.linear_soft_cross_entropy`);
@@ -30,6 +36,7 @@ Usage::
     python benchmarks/bench_training_step.py --head eagle3        # 7 TTT steps, bf16 autocast, 4 x 512
     python benchmarks/bench_training_step.py --head eagle3 --ttt-steps 3 --precision fp32
     python benchmarks/bench_training_step.py --head adadecode --precision fp32
+    python benchmarks/bench_training_step.py --head falcon_k1 --precision fp32
 """
 from __future__ import annotations
 
@@ -62,9 +69,13 @@ def build(args):
                       tie_word_embeddings=True)
     base = LlamaForCausalLM(cfg).eval()
     counts = torch.randint(1, 1000, (cfg.vocab_size,))
-    extra = {"ttt_steps": args.ttt_steps} if args.head == "eagle3" else {}
-    head = heads.build({"type": args.head, "layers": [1, 2, 3], "draft_vocab_size": args.draft_vocab, **extra},
-                       base, label_counts=counts, counts_source="bench")
+    if args.head == "falcon_k1":
+        from omegaconf import OmegaConf
+
+        head_cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "heads" / "falcon_k1.yaml"))
+    else:
+        head_cfg = {"type": args.head, "layers": [1, 2, 3], **({"ttt_steps": args.ttt_steps} if args.head == "eagle3" else {})}
+    head = heads.build({**head_cfg, "draft_vocab_size": args.draft_vocab}, base, label_counts=counts, counts_source="bench")
     B, T, H = args.batch_size, args.length, cfg.hidden_size
     g = torch.Generator().manual_seed(args.seed)
     loss_mask = torch.ones(B, T, dtype=torch.bool)
@@ -122,7 +133,29 @@ def checkpointed_loss(head, batch):
     return total.sum() / max(hidden.shape[0], 1)
 
 
-REFERENCES = {"eagle3": ("textbook", textbook_loss), "adadecode": ("checkpointed", checkpointed_loss)}
+def logits_falcon_loss(head, batch):
+    """Falcon's loss before the fused path: the student logits W f̂ formed and kept, then
+    :func:`losses.falcon.falcon_loss` (``training_loss`` with ``falcon_loss_fused`` swapped out)."""
+    import heads.falcon as falcon_module
+    from losses.falcon import falcon_loss
+
+    def unfused(pred, tgt, weight, teacher, **kw):
+        with torch.autocast("cpu", enabled=False):
+            student = pred.float() @ weight.float().T
+        loss, parts = falcon_loss(pred, tgt, student, teacher, torch.ones(pred.shape[0], dtype=torch.bool), **kw)
+        return loss, parts, student.detach().argmax(-1)
+
+    fused, falcon_module.falcon_loss_fused = falcon_module.falcon_loss_fused, unfused
+    try:
+        from heads import Progress
+
+        return head.training_loss(batch, Progress())[0]
+    finally:
+        falcon_module.falcon_loss_fused = fused
+
+
+REFERENCES = {"eagle3": ("textbook", textbook_loss), "adadecode": ("checkpointed", checkpointed_loss),
+              "falcon_k1": ("logits", logits_falcon_loss)}
 
 
 def run(args) -> dict:
@@ -144,6 +177,7 @@ def run(args) -> dict:
         for name in (order if r % 2 == 0 else order[::-1]):
             ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if args.precision == "bf16-mixed"
                    else contextlib.nullcontext())
+            torch.manual_seed(args.seed + r)  # the same feature noise (falcon) for both variants of a round
             t0 = time.perf_counter()
             with ctx:
                 loss = variants[name](models[name])
@@ -166,7 +200,7 @@ def run(args) -> dict:
 
 def markdown(res: dict) -> str:
     a = res["args"]
-    steps = f"{a['ttt_steps']} TTT steps, " if a["head"] == "eagle3" else "3 candidate layers, "
+    steps = {"eagle3": f"{a['ttt_steps']} TTT steps, ", "adadecode": "3 candidate layers, "}.get(a["head"], "")
     lines = [f"{a['head']} training step, {a['batch_size']} x {a['length']} tokens, {steps}"
              f"{a['precision']}, {a['threads']} threads, draft vocabulary {a['draft_vocab']}", "",
              "| loss path | s / step (median) | tokens/s | first-step loss |", "|---|---|---|---|"]
