@@ -251,20 +251,28 @@ class FalconHead(DraftHead):
                 teacher = self.logits_fp32(sel_tgt)
         if teacher_ids is None:
             teacher_ids = teacher.argmax(-1)
+        loss, parts, student, student_ids = self._falcon_loss(sel_pred, sel_tgt, teacher, teacher_ids, in_vocab)
+        hit = (student_ids == teacher_ids) & in_vocab  # [M] top-1 agreement per loss position
+        acc = hit.float().mean() if sel_pred.shape[0] else sel_pred.new_zeros((), dtype=torch.float32)
+        return loss, parts, acc, student, hit
+
+    def _falcon_loss(self, sel_pred: torch.Tensor, sel_tgt: torch.Tensor, teacher: torch.Tensor,
+                     teacher_ids: torch.Tensor, ce_mask: torch.Tensor | None):
+        """``(loss, parts, student logits or None, student argmax [M])`` of ``heads.loss`` over rows.
+
+        With gradients (training) and α > 0: :func:`losses.falcon.falcon_loss_fused`, which never
+        forms the student logits (None); otherwise the logits W f̂ and :func:`losses.falcon.falcon_loss`.
+        """
         L = self.cfg["loss"]
         coef = dict(alpha=float(L["alpha"]), omega=float(L["omega"]), beta=float(L["beta"]),
-                    ce_mask=in_vocab, teacher_ids=teacher_ids)
-        if torch.is_grad_enabled() and coef["alpha"] > 0:  # training: no student logits kept
-            student = None
+                    ce_mask=ce_mask, teacher_ids=teacher_ids)
+        if torch.is_grad_enabled() and coef["alpha"] > 0:
             loss, parts, student_ids = falcon_loss_fused(sel_pred, sel_tgt, self.draft_lm_head_rows, teacher, **coef)
-        else:
-            student = self.logits_fp32(sel_pred)
-            loss, parts = falcon_loss(sel_pred, sel_tgt, student, teacher,
-                                      torch.ones(sel_pred.shape[0], dtype=torch.bool, device=pred.device), **coef)
-            student_ids = student.detach().argmax(-1)
-        hit = (student_ids == teacher_ids) & in_vocab  # [M] top-1 agreement per loss position
-        acc = hit.float().mean() if sel_pred.shape[0] else student.new_zeros(())
-        return loss, parts, acc, student, hit
+            return loss, parts, None, student_ids
+        student = self.logits_fp32(sel_pred)
+        loss, parts = falcon_loss(sel_pred, sel_tgt, student, teacher,
+                                  torch.ones(sel_pred.shape[0], dtype=torch.bool, device=sel_pred.device), **coef)
+        return loss, parts, student, student.detach().argmax(-1)
 
     # -- training --------------------------------------------------------------------------------
     def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:
@@ -343,7 +351,6 @@ class FalconHead(DraftHead):
         valid, mask = inp["valid"], inp["mask"]
         feats = self._noise(inp["F_in"], valid) if self.training else inp["F_in"]
         B, T = mask.shape
-        L = self.cfg["loss"]
         decay = float(self.cfg["ttt_decay"])
         cache = DraftKVCache()
         total = feats.new_zeros((), dtype=torch.float32)
@@ -355,11 +362,12 @@ class FalconHead(DraftHead):
             m = shift_left(mask, i, False)
             tgt = shift_left(inp["F_tgt"], i, 0)
             sel_p, sel_t = pred[m], tgt[m]
-            student, teacher = self.logits_fp32(sel_p), self.logits_fp32(sel_t)
-            loss_i, parts = falcon_loss(sel_p, sel_t, student, teacher, torch.ones(sel_p.shape[0], dtype=torch.bool, device=m.device),
-                                        alpha=float(L["alpha"]), omega=float(L["omega"]), beta=float(L["beta"]))
+            with torch.no_grad():
+                teacher = self.logits_fp32(sel_t)
+            teacher_ids = teacher.argmax(-1)
+            loss_i, parts, _, student_ids = self._falcon_loss(sel_p, sel_t, teacher, teacher_ids, None)
             total = total + (decay ** i) * loss_i + 0.0 * pred.sum()
-            hit = (student.argmax(-1) == teacher.argmax(-1)).float()
+            hit = (student_ids == teacher_ids).float()
             metrics[f"loss_step{i}"] = float(loss_i.detach())
             metrics[f"acc_step{i}"] = float(hit.mean()) if hit.numel() else 0.0
             if i == 0:

@@ -254,6 +254,19 @@ def test_training_step_k1_baseline_and_grads(base):
         _head(base, block_size=1, glancing={"enabled": True})
 
 
+@pytest.mark.parametrize("ttt_steps", [1, 2])
+def test_batch_without_loss_positions_trains_to_zero_and_keeps_the_graph(base, ttt_steps):
+    """An all-False loss mask (a rank's empty batch): loss 0, accuracy 0, and backward reaches
+    every trainable parameter (DDP), on the fused training path and the TTT option."""
+    head = _head(base, block_size=1, glancing={"enabled": False}, ttt_steps=ttt_steps).train()
+    batch = _batch(base)
+    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+    loss, metrics = head.training_loss(batch, Progress())
+    loss.backward()
+    assert float(loss) == 0.0 and metrics["acc"] == 0.0 and metrics["loss_tokens"] == 0.0
+    assert all(p.grad is not None for p in head.parameters() if p.requires_grad)
+
+
 def test_lstm_fuse_is_per_position(base):
     head = _head(base, fuse="lstm", lstm_dropout=0.0).eval()
     f = torch.randn(2, 5, 64)
