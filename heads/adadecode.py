@@ -159,12 +159,15 @@ class AdaDecodeHead(DraftHead):
                 "full_lm_head": full, "full_over_per_head": round(full / per_head, 2)}
 
     # -- the head ------------------------------------------------------------------------------
+    def layer_features(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """T_ℓ·RMSNorm_final(h): h [..., H] (any float dtype) -> [..., H] float32, the input of W."""
+        T = self.transforms[str(layer)]
+        return T(self.final_norm(h.to(T.weight.dtype))).float()
+
     def layer_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """z^(ℓ) = W·T_ℓ·RMSNorm_final(h): h [..., H] (any float dtype) -> logits [..., V] float32
         ([..., N] over the draft vocabulary: W = W[d2t])."""
-        T = self.transforms[str(layer)]
-        x = self.final_norm(h.to(T.weight.dtype))
-        return self.draft_lm_head(T(x).float())
+        return self.draft_lm_head(self.layer_features(layer, h))
 
     def teacher_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-layer logits W·f_t from the cached post-norm hidden hs[L]: [..., H] -> [..., V] fp32.
@@ -234,13 +237,9 @@ class AdaDecodeHead(DraftHead):
         float32 rounding, gradients included; fp32 with autocast off (METHODS §3.3)."""
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             probs, entropy = teacher_entropy(self.teacher_logits(hidden))
-            w = self.draft_lm_head_rows
-            kls = []
-            for layer, h in zip(self.layers, aux):
-                T = self.transforms[str(layer)]
-                x = T(self.final_norm(h.to(T.weight.dtype))).float()
-                kls.append(linear_soft_cross_entropy(x, w, probs).loss - entropy.sum())
-            return torch.stack(kls)
+            w, h_sum = self.draft_lm_head_rows, entropy.sum()
+            return torch.stack([linear_soft_cross_entropy(self.layer_features(layer, h), w, probs).loss - h_sum
+                                for layer, h in zip(self.layers, aux)])
 
     def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:
         """Σ_ℓ w_ℓ masked-mean KL(p* ‖ softmax(z^(ℓ))) (METHODS §3.3), fp32, in chunks of
