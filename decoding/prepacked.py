@@ -49,6 +49,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from core.frozen_linear import FrozenLinear
 from decoding.numerics import ROW_CONSISTENT, is_one_row_padded
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ ROW_CONSISTENT_DTYPES = (torch.bfloat16, torch.float16)
 MIN_ROWS = 3
 
 _PACKED = "_draftheads_prepacked"
+
+#: the layers packed: ``nn.Linear`` and a draft head's product over frozen LM-head rows
+#: (:class:`core.frozen_linear.FrozenLinear`, ``x Wᵀ`` with W a buffer; no bias)
+LINEAR_TYPES = (torch.nn.Linear, FrozenLinear)
 
 
 def available() -> bool:
@@ -136,7 +141,8 @@ class _PackState:
 
 
 def _prepacked_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward``: rows >= the layer's ``min_rows`` through the packed weight, else ``F.linear``.
+    """``nn.Linear.forward``: rows >= the layer's ``min_rows`` through the packed weight, else the layer's own
+    ``forward`` (``F.linear``).
 
     A weight changed since packing (in place, replaced, or the module deep-copied) is repacked here,
     once; a weight no longer in the packed dtypes (``module.to(bfloat16)``) or off the CPU, and
@@ -146,7 +152,7 @@ def _prepacked_forward(self, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (rows < state.min_rows or x.dtype != w.dtype or w.dtype not in state.dtypes or w.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        return F.linear(x, w, self.bias)
+        return type(self).forward(self, x)  # the layer's own product (F.linear; FrozenLinear casts its weight)
     if state.stamp != _weight_stamp(w):
         state.repack(w)
     flat = x.reshape(rows, x.shape[-1]).contiguous()
@@ -185,7 +191,7 @@ def prepack_linear_weights(model: torch.nn.Module, min_rows: int = MIN_ROWS, dty
     packable = tuple(d for d in dtypes if can_pack(d))
     packed = []
     for name, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.Linear):
+        if not isinstance(mod, LINEAR_TYPES):
             continue
         w = mod.weight
         if w.dtype not in packable or w.device.type != "cpu" or is_one_row_padded(mod):
@@ -269,7 +275,7 @@ def prepack_row_consistent(model: torch.nn.Module, dtypes=ROW_CONSISTENT_DTYPES,
     verdict: dict[tuple, int] = {}
     packed = []
     for name, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.Linear):
+        if not isinstance(mod, LINEAR_TYPES):
             continue
         w = mod.weight
         if w.dtype not in dtypes or w.device.type != "cpu" or is_one_row_padded(mod) or not can_pack(w.dtype):
@@ -317,6 +323,11 @@ def prepacked_min_rows(model: torch.nn.Module) -> int | None:
         if state is not None:
             return int(state.min_rows)
     return None
+
+
+def packed_layers(model: torch.nn.Module) -> int:
+    """How many of ``model``'s layers are packed (:func:`prepack_linear_weights`, :func:`prepack_row_consistent`)."""
+    return sum(1 for m in model.modules() if getattr(m, _PACKED, None) is not None)
 
 
 def prepacked_chunks(model: torch.nn.Module) -> tuple[int, int] | None:

@@ -170,17 +170,36 @@ def prepacked_products(model, ev) -> list[str]:
 
 
 def pack_like_base(head, base_model) -> list[str]:
-    """A bf16 draft head's own linear layers packed for every row count, as :func:`prepacked_products`
-    packed its base's (:func:`decoding.prepacked.prepack_row_consistent`): on a CPU with AMX the packed
-    product is the fastest bf16 kernel at every row count, and a drafter pass runs its layers over 1-16
-    rows.  Nothing happens where the base was not packed that way (fp32, another CPU, ``eval.prepack_weights=false``).
-    Drafts decide nothing about the output (verification does), so the head needs no row consistency
-    of its own; the same kernels give it."""
-    from decoding.prepacked import ROW_CONSISTENT_DTYPES, prepack_row_consistent, prepacked_chunks
+    """A draft head's linear layers packed for oneDNN as :func:`prepacked_products` packed its base's.
 
-    if prepacked_chunks(base_model) is None or base_model.dtype not in ROW_CONSISTENT_DTYPES:
-        return []
-    return prepack_row_consistent(head, dtypes=(base_model.dtype,))  # the base's weights are buffers of a head
+    The head's layers include its product over the frozen LM-head rows (``frozen_draft_lm_head``,
+    :class:`core.frozen_linear.FrozenLinear`: W[d2t], 16,384 x 576 for SmolLM2's heads of record),
+    which is most of a drafter pass's weights.
+
+    * A bf16 base packed for every row count (:func:`decoding.prepacked.prepack_row_consistent`, a CPU
+      with AMX): so is the head; there the packed product is the fastest bf16 kernel at every row
+      count, and a drafter pass runs its layers over 1-16 rows.
+    * An fp32 base packed for products of >= ``min_rows`` rows
+      (:func:`decoding.prepacked.prepack_linear_weights`): so is the head, at the same threshold.
+      Unpacked, every tree pass over >= 3 rows reordered each whole weight matrix, the LM-head rows
+      included, at every call.
+    * Anything else (``eval.prepack_weights=false``, no oneDNN, a GPU): nothing.
+
+    Drafts decide nothing about the output (verification does), so the head needs no row consistency
+    of its own; the same kernels give it.
+
+    Returns:
+        The packed layers' module names.
+    """
+    from decoding.prepacked import (ROW_CONSISTENT_DTYPES, prepack_linear_weights, prepack_row_consistent,
+                                    prepacked_chunks, prepacked_min_rows)
+
+    if prepacked_chunks(base_model) is not None and base_model.dtype in ROW_CONSISTENT_DTYPES:
+        return prepack_row_consistent(head, dtypes=(base_model.dtype,))  # the base's weights are buffers of a head
+    min_rows = prepacked_min_rows(base_model)
+    if min_rows is not None and min_rows >= 2:
+        return prepack_linear_weights(head, min_rows=min_rows)
+    return []
 
 
 def _dtype_name(dtype) -> str | None:

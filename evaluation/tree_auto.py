@@ -55,6 +55,7 @@ from omegaconf import OmegaConf
 from core.io import atomic_write_json, sha256_file, sha256_json
 from decoding.cost_model import CostModel, check_grid, load_or_measure
 from decoding.measurement import machine_load, reuse_line
+from decoding.prepacked import packed_layers
 from decoding.speculative import SpeculativeDecoder
 from decoding.tree_search import (AcceptanceStats, RecordingDrafter, RootOnlyDrafter, ScoreBudgetDrafter,
                                   choose_budget, choose_rank_tree)
@@ -515,6 +516,8 @@ def _acceptance_and_cost(cost: CostModel, setup, head, head_type: str, info, ev,
         threads += f"/prepacked{cost.key['prepacked_min_rows']}"
     if cost.key.get("prepacked_chunks"):  # bf16 packed for every row count: the drafter's one-row steps too
         threads += "/chunks{}x{}".format(*cost.key["prepacked_chunks"])
+    if (head_packed := packed_layers(head)):  # the head's own layers packed too (evaluation.methods.pack_like_base)
+        threads += f"/head{head_packed}"
     stats, costs, saved, cached = None, {}, None, False
     if path.is_file():
         try:

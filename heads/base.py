@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from core.frozen_linear import FrozenLinear
+
 
 #: ``heads`` keys every head accepts (handled here, not by the head class): the draft vocabulary
 #: size N (null = full vocabulary) and its provenance (written by :meth:`DraftHead.set_draft_vocab`).
@@ -132,7 +134,7 @@ class DraftHead(nn.Module):
     @staticmethod
     def _rederive_after_load(module: "DraftHead", incompatible_keys) -> None:
         """After any ``load_state_dict``: the lookups derived from the draft vocabulary (``draft_index``,
-        the frozen rows ``draft_lm_head_weight`` = W[d2t] that score drafts and the soft teachers) are
+        the frozen rows W[d2t] (``frozen_draft_lm_head``) that score drafts and the soft teachers) are
         rebuilt from the loaded ``d2t``, never kept from the mapping the head was built with (issue 28).
         A loaded mapping that is not valid is left to :meth:`check_draft_vocab` (``heads.load``), which
         raises naming the file."""
@@ -195,25 +197,30 @@ class DraftHead(nn.Module):
         self._slice_draft_lm_head()
 
     def _slice_draft_lm_head(self) -> None:
-        """``draft_lm_head_weight`` = W[d2t] [N, H] (non-persistent buffer), once base and mapping exist."""
-        if self.draft_vocab_size is None or not hasattr(self, "lm_head_weight"):
+        """The module ``frozen_draft_lm_head`` over W[d2t] [N, H] (a copy, a non-persistent buffer), or over W
+        [V, H] itself with no draft vocabulary, once the base (and the mapping) exist."""
+        if not hasattr(self, "lm_head_weight"):
             return
         from heads.draft_vocab import slice_rows
 
-        self.register_buffer("draft_lm_head_weight", slice_rows(self.lm_head_weight, self.d2t), persistent=False)
+        self.frozen_draft_lm_head = FrozenLinear(slice_rows(self.lm_head_weight, None if self.draft_vocab_size is None else self.d2t))
 
     @property
     def draft_lm_head_rows(self) -> torch.Tensor:
         """The frozen LM head's rows over the draft vocabulary: W[d2t] [N, H], or W [V, H] with none
         (the base's dtype; row i scores base token ``d2t[i]``)."""
-        return self.lm_head_weight if self.draft_vocab_size is None else self.draft_lm_head_weight
+        if self.draft_vocab_size is None:
+            return self.lm_head_weight
+        return self.frozen_draft_lm_head.weight
 
     def draft_lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Frozen LM head restricted to the draft vocabulary (FR-Spec): h [..., H] → [..., N] (h's dtype).
 
         Column i scores base token ``d2t[i]``; with no draft vocabulary this is :meth:`lm_head` ([..., V]).
+        The product runs in the module ``frozen_draft_lm_head`` (:class:`core.frozen_linear.FrozenLinear`),
+        which decoding may prepack for oneDNN like the base's layers (:func:`evaluation.methods.pack_like_base`).
         """
-        return h @ self.draft_lm_head_rows.to(h.dtype).T
+        return self.frozen_draft_lm_head(h)
 
     def to_draft_ids(self, base_ids: torch.Tensor) -> torch.Tensor:
         """Base ids [...] (long) → draft indices [...] (−1 outside the draft vocabulary); identity if full."""

@@ -217,4 +217,4 @@ def test_draft_vocab_zero3_matches_ddp_and_stores_the_mapping(vocab_runs, tiny_b
     head, meta = heads.load(runs["zero3_dv"] / "last", base_model=tiny_base[0])
     assert meta["head"]["draft_vocab_size"] == 64 and meta["head"]["draft_vocab"]["cache"] == str(cache)
     assert 0 < meta["head"]["draft_vocab"]["train_coverage"] <= 1
-    torch.testing.assert_close(head.draft_lm_head_weight, tiny_base[0].lm_head.weight[expect])
+    torch.testing.assert_close(head.draft_lm_head_rows, tiny_base[0].lm_head.weight[expect])

@@ -198,7 +198,7 @@ def test_checkpoint_round_trip(tiny_base, tmp_path, name):
     back, meta = heads.load(tmp_path / "h", base_model=base)
     assert torch.equal(back.d2t, DraftVocab.from_counts(counts, 100).d2t)
     assert torch.equal(back.t2d, head.t2d) and torch.equal(back.draft_index, head.draft_index)
-    torch.testing.assert_close(back.draft_lm_head_weight, base.lm_head.weight[back.d2t])
+    torch.testing.assert_close(back.draft_lm_head_rows, base.lm_head.weight[back.d2t])
     dv = meta["head"]["draft_vocab"]
     assert meta["head"]["draft_vocab_size"] == 100 and dv["cache"] == "test-cache"
     assert dv["train_coverage"] == pytest.approx(float(counts[back.d2t].sum()) / float(counts.sum()))

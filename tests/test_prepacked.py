@@ -306,9 +306,45 @@ def test_draft_head_is_packed_like_its_base_and_decoding_stays_vanilla(tiny_mode
         pytest.skip("oneDNN's packed bf16 products are not row-consistent on this CPU")
     pad_one_row_products(base)
     names = pack_like_base(head, base)
-    own = {n for n, m in head.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert names and set(names) <= own and len(names) == len(own)
+    own = {n for n, m in head.named_modules() if isinstance(m, prepacked.LINEAR_TYPES)}
+    assert set(names) == own and "frozen_draft_lm_head" in own  # the frozen LM-head rows too
     ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2))
     ref, _ = greedy_generate(base, ids, 20)
     out, stats = SpeculativeDecoder(base, head.make_drafter(base)).generate(ids, 20)
     assert out == ref and stats["drafter_passes"] > 0
+
+
+def test_fp32_draft_head_is_packed_like_its_base_lm_head_rows_included(tiny_model_dir):
+    """An fp32 falcon_k1 head with a draft vocabulary over a base packed for >= 3-row products gets the
+    same threshold on every linear layer, its product over the frozen rows W[d2t] included
+    (evaluation.methods.pack_like_base): that product then matches the unpacked one to fp32 rounding over
+    many rows and bit for bit over one and two, keeps no copy of the weight it packs, and speculative
+    output still equals vanilla greedy decoding."""
+    import heads
+    from core.base_model import load_base_model
+    from evaluation.methods import pack_like_base
+
+    base, _, _ = load_base_model({"path": str(tiny_model_dir), "dtype": "float32", "attn_implementation": "eager"})
+    cfg = compose(rewrite_argv([f"model.path={tiny_model_dir}", "heads=falcon_k1", "heads.draft_vocab_size=96"]))
+    torch.manual_seed(0)
+    counts = torch.randint(0, 1000, (base.config.vocab_size,), generator=torch.Generator().manual_seed(0))
+    head = heads.build(cfg.heads, base, label_counts=counts).eval().requires_grad_(False)
+    x = torch.randn(7, base.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    want = x @ base.lm_head.weight[head.d2t].T
+    assert torch.equal(head.draft_lm_head(x), F.linear(x, base.lm_head.weight[head.d2t]))
+    assert pack_like_base(head, base) == []  # an unpacked base: the head is left alone
+    assert prepacked.prepack_linear_weights(base)
+    names = pack_like_base(head, base)
+    own = {n for n, m in head.named_modules() if isinstance(m, prepacked.LINEAR_TYPES)}
+    assert set(names) == own and "frozen_draft_lm_head" in own
+    assert "frozen_draft_lm_head.weight" not in head.state_dict()  # borrowed, never saved
+    assert all(p.data_ptr() != head.draft_lm_head_rows.data_ptr() for p in head.parameters())
+    torch.testing.assert_close(head.draft_lm_head(x), want, rtol=1e-5, atol=1e-5)
+    for rows in (1, 2):  # below the threshold: F.linear's own kernel, bit for bit
+        assert torch.equal(head.draft_lm_head(x[:rows]), F.linear(x[:rows], base.lm_head.weight[head.d2t]))
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2))
+    ref, _ = greedy_generate(base, ids, 24)
+    out, stats = SpeculativeDecoder(base, head.make_drafter(base)).generate(ids, 24)
+    assert out == ref and stats["drafter_passes"] > 0
+    prepacked.restore_linear_weights(head)
+    assert prepacked.packed_layers(head) == 0 and prepacked.packed_layers(base) > 0

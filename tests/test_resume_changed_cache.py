@@ -53,7 +53,7 @@ def test_loaded_draft_vocabulary_rebuilds_every_derived_lookup(name, tiny_base):
     head_a.load_state_dict(state)
     assert torch.equal(head_a.d2t, d2t_b)
     assert torch.equal(head_a.draft_index, t2d_index(d2t_b, V))
-    assert torch.equal(head_a.draft_lm_head_weight, slice_rows(head_a.lm_head_weight, d2t_b))
+    assert torch.equal(head_a.draft_lm_head_rows, slice_rows(head_a.lm_head_weight, d2t_b))
     ids = torch.tensor([int(d2t_b[0]), int(d2t_b[-1]), int(select_d2t(counts_a, N)[-1])])
     assert head_a.to_draft_ids(ids).tolist() == [0, N - 1, -1]
     for key, value in state.items():  # every loaded tensor stays as loaded (EAGLE-3's trainable rows too)

@@ -334,6 +334,11 @@ def test_plan_threads_sizes_a_one_thread_run_for_the_timing_threads(tiny_base, t
     assert trees["one"]["cost_model"]["key"].get("prepacked_min_rows") == (
         prepacked.MIN_ROWS if prepacked.available() else None)
     sfx += f"/prepacked{prepacked.MIN_ROWS}" if prepacked.available() else ""
+    if prepacked.available():  # and so is the head's every linear layer, its frozen LM-head rows included
+        import heads
+
+        head, _ = heads.load(cfg.eval.checkpoint, base_model=tiny_base[0])
+        sfx += f"/head{sum(isinstance(m, prepacked.LINEAR_TYPES) for m in head.modules())}"
     assert set(cal["drafter_cost"]) == {f"1{sfx}", f"2{sfx}"} and "threads" not in cal["key"]
     assert cal["drafter_cost"][f"1{sfx}"]["prompts"] == 3 and cal["drafter_cost"][f"1{sfx}"]["passes"] > 0
 
