@@ -12,8 +12,11 @@ nearly free arithmetic.
 oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the call Inductor's CPU
 freezing makes) and gives the layer a ``forward`` that computes inputs of at least ``min_rows`` rows
 with it (``torch.ops.mkldnn._linear_pointwise``) and every smaller input with ``F.linear`` on the
-original weights.  So a one-token step (vanilla decoding, the speculative root) runs exactly the
-kernel it ran before, bit for bit, and only verification and prefill change kernel.  Measured on
+original weights.  With ``min_rows=3`` a one-token step (vanilla decoding, the speculative root) runs
+exactly the kernel it ran before, bit for bit, and only verification and prefill change kernel.  With
+``min_rows="auto"`` (the evaluation's) each weight shape's threshold is timed on this CPU
+(:func:`probe_min_rows`): on the AMD EPYC Zen 3 the LM head's one-row product runs twice as fast packed,
+so vanilla's one-token step takes it too, and that faster vanilla is the one a speedup is measured against.  Measured on
 SmolLM2-135M fp32, 2 threads, 256 cached tokens (``benchmarks/bench_decoding.py --cost-only``):
 see docs/precision.md "Prepacked verification weights".
 
@@ -44,6 +47,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
+import time
 import types
 
 import torch
@@ -64,6 +69,12 @@ ROW_CONSISTENT_DTYPES = (torch.bfloat16, torch.float16)
 #: On the AMD EPYC MKL's M = 2 kernel is slow (c(2) 1.68x c(1), docs/precision.md), but there bf16 is
 #: the dtype to decode in, and bf16 is not packed
 MIN_ROWS = 3
+#: ``min_rows="auto"`` (:func:`probe_min_rows`): a layer's products over fewer than MIN_ROWS rows are packed
+#: only where the packed product is timed at least this much faster than ``F.linear``'s (a margin over timing
+#: noise).  On the AMD EPYC Zen 3 (fp32, 2 threads) it is for every SmolLM2 shape over 2 rows (1.3-4.6x) and
+#: for the 49,152- and 16,384-row LM heads over 1 row (about 2x); the 576-wide layers' one-row products stay
+#: with ``F.linear`` (0.65-0.93x packed)
+PROBE_MARGIN = 1.25
 
 _PACKED = "_draftheads_prepacked"
 
@@ -164,15 +175,18 @@ def _prepacked_forward(self, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def prepack_linear_weights(model: torch.nn.Module, min_rows: int = MIN_ROWS, dtypes=PACK_DTYPES) -> list[str]:
+def prepack_linear_weights(model: torch.nn.Module, min_rows: int | str = MIN_ROWS, dtypes=PACK_DTYPES) -> list[str]:
     """Reorder ``model``'s fp32 CPU linear weights once for oneDNN; many-row products then use them.
 
     Args:
-        model: any ``nn.Module`` (the frozen base).  Its ``nn.Linear`` layers with a weight in
-            ``dtypes`` on a CPU get an instance ``forward`` (:func:`_prepacked_forward`); the original
-            weights stay (one-token steps, gradients).  Memory: one more copy of those weights.
+        model: any ``nn.Module`` (the frozen base).  Its linear layers (:data:`LINEAR_TYPES`) with a
+            weight in ``dtypes`` on a CPU get an instance ``forward`` (:func:`_prepacked_forward`); the
+            original weights stay (small products, gradients).  Memory: one more copy of those weights.
         min_rows: inputs of at least this many rows (all leading dims flattened) use the packed
-            weight; must be >= 2 (a one-row product keeps its kernel: vanilla is untouched).
+            weight.  An int must be >= 2 (a one-row product keeps its kernel: vanilla is untouched).
+            ``"auto"``: per weight shape, :func:`probe_min_rows` on this CPU (1, 2 or :data:`MIN_ROWS`):
+            where a packed one-row product is measured faster, vanilla's one-token step runs it too, and
+            the fastest vanilla of the machine is that one.
         dtypes: weight dtypes to pack; those this CPU cannot reorder (:func:`can_pack`) are left
             unpacked.
 
@@ -181,10 +195,11 @@ def prepack_linear_weights(model: torch.nn.Module, min_rows: int = MIN_ROWS, dty
         Idempotent; :func:`restore_linear_weights` undoes it.
 
     Raises:
-        ValueError: ``min_rows`` < 2.
+        ValueError: an int ``min_rows`` < 2, or a string other than ``"auto"``.
     """
-    if int(min_rows) < 2:
-        raise ValueError(f"min_rows={min_rows}: must be >= 2 (one-row products keep F.linear's kernel)")
+    probe = min_rows == "auto"
+    if not probe and (isinstance(min_rows, str) or int(min_rows) < 2):
+        raise ValueError(f"min_rows={min_rows!r}: must be 'auto' or an int >= 2 (one-row products keep F.linear's kernel)")
     if not available():
         log.info("this torch build has no oneDNN linear-weight reorder: verification weights are not prepacked")
         return []
@@ -196,12 +211,61 @@ def prepack_linear_weights(model: torch.nn.Module, min_rows: int = MIN_ROWS, dty
         w = mod.weight
         if w.dtype not in packable or w.device.type != "cpu" or is_one_row_padded(mod):
             continue
-        _install(mod, int(min_rows), packable)
+        _install(mod, probe_min_rows(w, mod.bias) if probe else int(min_rows), packable)
         packed.append(name)
     if packed:
-        log.info("%d linear layer(s) compute inputs of >= %d rows with oneDNN-prepacked weights "
-                 "(decoding.prepacked)", len(packed), int(min_rows))
+        log.info("%d linear layer(s) compute inputs of >= %s rows with oneDNN-prepacked weights "
+                 "(decoding.prepacked)", len(packed), prepacked_min_rows(model))
     return packed
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()
+    fn()  # warm: the first call of a shape allocates
+    times = []
+    for _ in range(int(repeats)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+_PROBED: dict[tuple, int] = {}
+
+
+def probe_min_rows(weight: torch.Tensor, bias: torch.Tensor | None = None, repeats: int = 7,
+                   margin: float = PROBE_MARGIN) -> int:
+    """From how many rows oneDNN's packed product of ``weight`` beats ``F.linear``'s on this CPU.
+
+    Times both products (median of ``repeats`` calls each, on random inputs) over 2 rows and, when the
+    packed one wins there by ``margin``, over 1 row, at the current thread count.  The answer is cached
+    per weight shape, bias and dtype for the process, so that every evaluation and reference of one run
+    packs alike (its cost-model key, :func:`prepacked_min_rows`, stays one).
+
+    Args:
+        weight: [N, K] on the CPU; bias: [N] or None.
+
+    Returns:
+        1 when the packed product wins over 1 and 2 rows, 2 when over 2 rows only, else :data:`MIN_ROWS`
+        (from 3 rows ``F.linear`` reorders the whole weight at every call: packed always wins).
+    """
+    key = (tuple(weight.shape), bias is not None, weight.dtype)
+    if key in _PROBED:
+        return _PROBED[key]
+    gen = torch.Generator().manual_seed(0)
+    rows = MIN_ROWS
+    with torch.no_grad():
+        w = weight.detach()
+        packed = _reorder(w)
+        for m in (2, 1):
+            x = torch.randn(m, w.shape[1], generator=gen).to(w.dtype)
+            plain = _median_seconds(lambda: F.linear(x, w, bias), repeats)
+            fast = _median_seconds(lambda: _packed_linear(x, packed, bias), repeats)
+            if plain < margin * fast:
+                break
+            rows = m
+    _PROBED[key] = rows
+    return rows
 
 
 def _install(mod: torch.nn.Linear, min_rows: int, dtypes: tuple, chunk_rows: int | None = None) -> None:
@@ -316,13 +380,16 @@ def restore_linear_weights(model: torch.nn.Module) -> None:
                 delattr(mod, ROW_CONSISTENT)
 
 
-def prepacked_min_rows(model: torch.nn.Module) -> int | None:
-    """The ``min_rows`` of ``model``'s prepacked layers, or None when none is packed (a cost-model key)."""
-    for mod in model.modules():
-        state = getattr(mod, _PACKED, None)
-        if state is not None:
-            return int(state.min_rows)
-    return None
+def prepacked_min_rows(model: torch.nn.Module) -> int | str | None:
+    """The ``min_rows`` of ``model``'s prepacked layers (a cost-model key): an int when they all share one,
+    ``"<rows>x<layers>,..."`` (e.g. ``"1x1,2x210"``) when :func:`probe_min_rows` gave them several, None when
+    none is packed."""
+    rows = [int(getattr(m, _PACKED).min_rows) for m in model.modules() if getattr(m, _PACKED, None) is not None]
+    if not rows:
+        return None
+    if len(set(rows)) == 1:
+        return rows[0]
+    return ",".join(f"{r}x{rows.count(r)}" for r in sorted(set(rows)))
 
 
 def packed_layers(model: torch.nn.Module) -> int:

@@ -120,9 +120,11 @@ def prepacked_products(model, ev) -> list[str]:
     (:mod:`decoding.prepacked`; docs/precision.md "Prepacked verification weights" and "bf16 on a CPU
     with AMX").  Applies to ``model`` itself, before :func:`row_consistent_products`.
 
-    * an fp32 base on a CPU: products of >= 3 rows (verification, prefill) use the packed weights;
-      one-token steps keep their kernel, so fp32 vanilla decoding is untouched
-      (:func:`decoding.prepacked.prepack_linear_weights`);
+    * an fp32 base on a CPU: products of >= 3 rows (verification, prefill) use the packed weights, and
+      those of 1 or 2 rows where this CPU runs the packed product faster, timed per weight shape
+      (:func:`decoding.prepacked.prepack_linear_weights` with ``min_rows="auto"``).  Where a layer's
+      one-row product is packed (the LM head on the AMD EPYC Zen 3), vanilla's one-token step runs it
+      too: vanilla is as fast as this machine makes it, and every vanilla reference shares it;
     * a bf16 / fp16 base on a CPU: every product of a layer whose packed products are row-consistent
       uses them, one-token steps included, so vanilla and verification still run one kernel
       (:func:`decoding.prepacked.prepack_row_consistent`).  ``auto`` does this where bf16 is native
@@ -166,7 +168,7 @@ def prepacked_products(model, ev) -> list[str]:
             raise ValueError(f"eval.prepack_weights=true: oneDNN's packed {_dtype_name(model.dtype)} products are "
                              "not row-consistent on this CPU for any linear layer (decoding.prepacked)")
         return names
-    return prepack_linear_weights(model)
+    return prepack_linear_weights(model, min_rows="auto")
 
 
 def pack_like_base(head, base_model) -> list[str]:
@@ -179,10 +181,10 @@ def pack_like_base(head, base_model) -> list[str]:
     * A bf16 base packed for every row count (:func:`decoding.prepacked.prepack_row_consistent`, a CPU
       with AMX): so is the head; there the packed product is the fastest bf16 kernel at every row
       count, and a drafter pass runs its layers over 1-16 rows.
-    * An fp32 base packed for products of >= ``min_rows`` rows
-      (:func:`decoding.prepacked.prepack_linear_weights`): so is the head, at the same threshold.
-      Unpacked, every tree pass over >= 3 rows reordered each whole weight matrix, the LM-head rows
-      included, at every call.
+    * An fp32 base packed for many-row products (:func:`decoding.prepacked.prepack_linear_weights`):
+      so is the head, each layer from the row count where this CPU runs its packed product faster
+      (``min_rows="auto"``).  Unpacked, every tree pass over >= 3 rows reordered each whole weight
+      matrix, the LM-head rows included, at every call.
     * Anything else (``eval.prepack_weights=false``, no oneDNN, a GPU): nothing.
 
     Drafts decide nothing about the output (verification does), so the head needs no row consistency
@@ -196,9 +198,8 @@ def pack_like_base(head, base_model) -> list[str]:
 
     if prepacked_chunks(base_model) is not None and base_model.dtype in ROW_CONSISTENT_DTYPES:
         return prepack_row_consistent(head, dtypes=(base_model.dtype,))  # the base's weights are buffers of a head
-    min_rows = prepacked_min_rows(base_model)
-    if min_rows is not None and min_rows >= 2:
-        return prepack_linear_weights(head, min_rows=min_rows)
+    if prepacked_min_rows(base_model) is not None:
+        return prepack_linear_weights(head, min_rows="auto")
     return []
 
 

@@ -117,8 +117,9 @@ def test_changed_weights_repack_copies_work_gradients_fall_back_and_restore(mode
 
 
 def test_bf16_and_min_rows_are_refused_or_left_alone(model):
-    with pytest.raises(ValueError, match="min_rows"):
-        prepacked.prepack_linear_weights(model, min_rows=1)
+    for bad in (1, "sometimes"):
+        with pytest.raises(ValueError, match="min_rows"):
+            prepacked.prepack_linear_weights(model, min_rows=bad)
     m16 = tiny_llama(seed=0, attn_implementation="eager").to(torch.bfloat16)
     padded = set(pad_one_row_products(m16, dtypes=(torch.bfloat16,)))
     assert prepacked.prepack_linear_weights(m16) == [] and prepacked.prepacked_min_rows(m16) is None
@@ -144,7 +145,8 @@ def test_eval_switch_and_cost_key(model):
     key_plain = cost_key({"base": "x"}, model, [1, 2], 16, 1)
     assert "prepacked_min_rows" not in key_plain  # older cost files stay valid for an unpacked base
     assert len(prepacked_products(model, ev)) == len(_linears(model))
-    assert cost_key({"base": "x"}, model, [1, 2], 16, 1)["prepacked_min_rows"] == prepacked.MIN_ROWS
+    rows = prepacked.prepacked_min_rows(model)  # probed per shape on this CPU ("auto"): 1, 2, 3 or a mix
+    assert rows is not None and cost_key({"base": "x"}, model, [1, 2], 16, 1)["prepacked_min_rows"] == rows
     prepacked.restore_linear_weights(model)
     assert prepacked_products(model, compose(rewrite_argv(["eval.prepack_weights=false"])).eval) == []
     m16 = tiny_llama(seed=0).to(torch.bfloat16)
@@ -348,3 +350,64 @@ def test_fp32_draft_head_is_packed_like_its_base_lm_head_rows_included(tiny_mode
     assert out == ref and stats["drafter_passes"] > 0
     prepacked.restore_linear_weights(head)
     assert prepacked.packed_layers(head) == 0 and prepacked.packed_layers(base) > 0
+
+
+def test_auto_min_rows_packs_small_products_only_where_timed_faster(model, monkeypatch):
+    """``min_rows="auto"``: each weight shape's threshold comes from timing the packed product against
+    ``F.linear`` over 2 rows, then 1 (decoding.prepacked.probe_min_rows, planted timings here), with a margin;
+    a layer packed from 1 row computes its one-token product with the packed weight (the planted zero
+    weight shows it), the cost key names the mix, and speculative output still equals vanilla greedy."""
+    shapes = {tuple(lin.weight.shape) for lin in _linears(model)}
+    lm = tuple(model.lm_head.weight.shape)
+    attn = tuple(model.model.layers[0].self_attn.q_proj.weight.shape)
+    assert lm in shapes and attn in shapes and lm != attn
+    # per probed shape, the times of (F.linear, packed) over 2 rows, then over 1 row
+    plan = {lm: [10.0, 1.0, 10.0, 1.0], attn: [10.0, 1.0, 1.0, 1.0]}
+    calls = []
+
+    def planted(fn, repeats):
+        fn()  # the product still runs
+        shape = calls[-1]  # the weight the probe reordered last
+        k = planted.counts.setdefault(shape, 0)
+        planted.counts[shape] += 1
+        return plan.get(shape, [1.0, 1.0])[k]  # others: the packed product is no faster over 2 rows
+    planted.counts = {}
+
+    real_reorder = prepacked._reorder
+
+    def reorder(w):
+        calls.append(tuple(w.shape))
+        return real_reorder(w)
+
+    monkeypatch.setattr(prepacked, "_PROBED", {})
+    monkeypatch.setattr(prepacked, "_median_seconds", planted)
+    monkeypatch.setattr(prepacked, "_reorder", reorder)
+    assert prepacked.probe_min_rows(model.lm_head.weight) == 1
+    assert prepacked.probe_min_rows(model.model.layers[0].self_attn.q_proj.weight) == 2
+    other = next(sh for sh in shapes if sh not in plan)
+    w_other = next(lin.weight for lin in _linears(model) if tuple(lin.weight.shape) == other)
+    assert prepacked.probe_min_rows(w_other) == prepacked.MIN_ROWS
+    n_probes = len(planted.counts)
+    prepacked.prepack_linear_weights(model, min_rows="auto")
+    assert len(planted.counts) == len(shapes) and n_probes == 3  # each shape probed once: cached
+    want = {id(lin): (1 if tuple(lin.weight.shape) == lm else 2 if tuple(lin.weight.shape) == attn
+                      else prepacked.MIN_ROWS) for lin in _linears(model)}
+    assert all(getattr(lin, prepacked._PACKED).min_rows == want[id(lin)] for lin in _linears(model))
+    mix = prepacked.prepacked_min_rows(model)
+    assert isinstance(mix, str) and mix.startswith("1x1,2x") and cost_key({"base": "x"}, model, [1], 16, 1)[
+        "prepacked_min_rows"] == mix
+    # the one-row product of the LM head now runs the packed weight: a planted zero packed weight shows it
+    state = getattr(model.lm_head, prepacked._PACKED)
+    real = state.packed
+    state.packed = real_reorder(torch.zeros_like(model.lm_head.weight))
+    x = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert torch.count_nonzero(model.lm_head(x)) == 0
+    state.packed = real
+    torch.testing.assert_close(model.lm_head(x), F.linear(x, model.lm_head.weight), rtol=1e-5, atol=1e-5)
+    ids = _prompt(5)
+    ref, _ = greedy_generate(model, ids, 20)
+    prepacked.restore_linear_weights(model)
+    assert greedy_generate(model, ids, 20)[0] == ref  # the packed one-row kernel changed no vanilla token here
+    prepacked.prepack_linear_weights(model, min_rows="auto")
+    out, _ = SpeculativeDecoder(model, OracleDrafter(model, 3, 2)).generate(ids, 20)
+    assert out == ref

@@ -331,9 +331,10 @@ def test_plan_threads_sizes_a_one_thread_run_for_the_timing_threads(tiny_base, t
     sfx = f"/{cost_model.omp_wait_policy()}" if cost_model.omp_wait_policy() else ""  # PASSIVE in the suite
     from decoding import prepacked  # eval.prepack_weights=auto packs this fp32 CPU base: its drafter costs are its own
 
-    assert trees["one"]["cost_model"]["key"].get("prepacked_min_rows") == (
-        prepacked.MIN_ROWS if prepacked.available() else None)
-    sfx += f"/prepacked{prepacked.MIN_ROWS}" if prepacked.available() else ""
+    rows = prepacked.prepacked_min_rows(tiny_base[0])  # probed per weight shape, once per process ("auto")
+    assert (rows is not None) == prepacked.available()
+    assert all(trees[k]["cost_model"]["key"].get("prepacked_min_rows") == rows for k in trees)
+    sfx += f"/prepacked{rows}" if prepacked.available() else ""
     if prepacked.available():  # and so is the head's every linear layer, its frozen LM-head rows included
         import heads
 
