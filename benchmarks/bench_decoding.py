@@ -25,10 +25,12 @@ Outputs must equal vanilla on every prompt (checked; a mismatch exits 1).
         --prompts ../shared/data/mt_bench_questions.jsonl --out runs/bench_decoding.json
     .venv/bin/python benchmarks/bench_decoding.py --cost-only --dtypes float32,bfloat16 --threads 2
     .venv/bin/python benchmarks/bench_decoding.py --cost-only --dtypes float32,float32:prepacked --threads 2
+    .venv/bin/python benchmarks/bench_decoding.py --cost-only --dtypes float32:prepacked,float32:auto --threads 2
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -138,11 +140,15 @@ def cost_table(model, ident, sizes, args) -> dict:
     models = {}
     for d in dtypes:  # "<dtype>" or "<dtype>:prepacked" (decoding/prepacked.py: oneDNN-reordered weights)
         name, _, variant = d.partition(":")
-        if variant not in ("", "prepacked"):
-            raise SystemExit(f"--dtypes entry {d!r}: expected <dtype> or <dtype>:prepacked")
+        if variant not in ("", "prepacked", "auto") or (variant == "auto" and name != "float32"):
+            raise SystemExit(f"--dtypes entry {d!r}: expected <dtype>, <dtype>:prepacked or float32:auto")
         m = model if d == "float32" else copy.deepcopy(model).to(getattr(torch, name))
-        # bf16 / fp16: packed for every row count where row-consistent (what eval.prepack_weights does to them)
-        pack = prepack_row_consistent if m.dtype in ROW_CONSISTENT_DTYPES else prepack_linear_weights
+        # bf16 / fp16: packed for every row count where row-consistent (what eval.prepack_weights does to them);
+        # float32:prepacked from 3 rows; float32:auto per shape from 1, 2 or 3 rows, as timed (eval.prepack_weights=auto)
+        if m.dtype in ROW_CONSISTENT_DTYPES:
+            pack = prepack_row_consistent
+        else:
+            pack = functools.partial(prepack_linear_weights, min_rows="auto" if variant == "auto" else 3)
         if variant and not pack(m, dtypes=(m.dtype,)):
             raise SystemExit(f"--dtypes entry {d!r}: this CPU cannot prepack (row-consistently) {name} linear weights")
         models[d] = m

@@ -18,6 +18,8 @@ per dtype (``--dtypes``) and attention implementation (``--attn``), interleaved 
     python benchmarks/bench_vanilla_step.py --threads 1 --dtypes float32,bfloat16 --attn eager,sdpa
     # <dtype>:prepacked: the weights as eval.prepack_weights packs them (decoding/prepacked.py)
     python benchmarks/bench_vanilla_step.py --threads 2 --dtypes float32,bfloat16,bfloat16:prepacked --attn sdpa
+    # float32:auto: fp32 as the evaluation packs it (min_rows="auto": the one-row LM head packed where faster)
+    python benchmarks/bench_vanilla_step.py --threads 2 --dtypes float32,float32:auto --attn sdpa --rounds 3
 
 Prints a Markdown table and the JSON (``--out`` also writes it).
 """
@@ -39,6 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from core.base_model import load_base_model  # noqa: E402
+from decoding import prepacked  # noqa: E402
 from decoding.prepacked import ROW_CONSISTENT_DTYPES, prepack_linear_weights, prepack_row_consistent  # noqa: E402
 from decoding.verify import base_forward, crop_cache, new_cache  # noqa: E402
 
@@ -127,12 +130,14 @@ def main(argv=None) -> int:
         base, _, _ = load_base_model({"path": args.model_path, "dtype": "float32", "attn_implementation": attn})
         for d in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
             name, _, variant = d.partition(":")
-            if variant not in ("", "prepacked"):
-                raise SystemExit(f"--dtypes entry {d!r}: expected <dtype> or <dtype>:prepacked")
+            if variant not in ("", "prepacked", "auto"):
+                raise SystemExit(f"--dtypes entry {d!r}: expected <dtype>, <dtype>:prepacked or float32:auto")
             m = base if d == "float32" else copy.deepcopy(base).to(getattr(torch, name))
-            # <dtype>:prepacked: what eval.prepack_weights does (bf16: every product, row-consistently; fp32: >= 3 rows)
+            # <dtype>:prepacked: bf16 every product, row-consistently; fp32 >= 3 rows (vanilla's kernels untouched).
+            # float32:auto: what eval.prepack_weights=auto does in fp32: per shape from 1, 2 or 3 rows, as timed here
+            rows = "auto" if variant == "auto" else prepacked.MIN_ROWS
             if variant and not (prepack_row_consistent(m, dtypes=(m.dtype,)) if m.dtype in ROW_CONSISTENT_DTYPES
-                                else prepack_linear_weights(m, dtypes=(m.dtype,))):
+                                else prepack_linear_weights(m, min_rows=rows, dtypes=(m.dtype,))):
                 raise SystemExit(f"--dtypes entry {d!r}: this CPU cannot prepack {name} linear weights")
             variants[(d, attn)] = m
     gen = torch.Generator().manual_seed(0)
