@@ -208,9 +208,7 @@ class DraftHead(nn.Module):
     @property
     def draft_lm_head_rows(self) -> torch.Tensor:
         """The frozen LM head's rows over the draft vocabulary: W[d2t] [N, H], or W [V, H] with none
-        (the base's dtype; row i scores base token ``d2t[i]``)."""
-        if self.draft_vocab_size is None:
-            return self.lm_head_weight
+        (the base's dtype; row i scores base token ``d2t[i]``): the weight :meth:`draft_lm_head` multiplies by."""
         return self.frozen_draft_lm_head.weight
 
     def draft_lm_head(self, h: torch.Tensor) -> torch.Tensor:
