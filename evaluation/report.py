@@ -90,7 +90,7 @@ def tree_report(choice: dict[str, Any] | None, method: dict[str, Any], vanilla: 
 
 def tree_line(tree: dict[str, Any] | None) -> str:
     """The chosen tree with predicted vs measured τ and speedup, one console line."""
-    from evaluation.tree_auto import describe
+    from evaluation.tree_auto import describe, limits_text
 
     line = describe(tree)
     if tree and "adadecode_model" in tree:
@@ -100,6 +100,7 @@ def tree_line(tree: dict[str, Any] | None) -> str:
     if tree and tree.get("applied"):
         fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
         line += f"; measured tau {fmt(tree.get('measured_tau'))}, speedup {fmt(tree.get('measured_speedup'))}x"
+        line += limits_text(tree.get("limits"))
         line += probe_text(tree.get("probe"))
     return line
 

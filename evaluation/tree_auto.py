@@ -40,6 +40,7 @@ reference drafters are left as they are (the report says so).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -352,6 +353,7 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     timing = {"cost_model_seconds": 0.0 if cost.reused else t1 - t0,
               "calibration_seconds": 0.0 if reused else t2 - t1}
     chosen, kwargs, wrap = choose_fn(setup, stats, cost, ev)
+    limits = speed_limits(setup, choose_fn, stats, cost, ev, chosen)
     fallback = vanilla_fallback(ev, chosen, cost)
 
     def drafter_for(kw, wrapper):
@@ -383,6 +385,7 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
                        "drafter_cost_source": drafter_source, "plan_threads": cost.key["threads"], "reused": reused},
         "cost_model": cost.to_dict(),
         "predicted_tau": chosen["tau"], "predicted_speedup": chosen["speedup"],
+        "limits": limits,
         "timing": timing,
     }
     if probe is not None:
@@ -395,6 +398,56 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
                     f"; the head is also decoded at the {probe['nodes']}-node probe tree (report tree.probe)"
                     if probe else "")
     return decoder, info
+
+
+#: the speedup whose τ :func:`limits_text` states (issue 27's target against the fastest vanilla)
+TARGET_SPEEDUP = 1.3
+
+
+def speed_limits(setup, choose_fn, stats: AcceptanceStats, cost: CostModel, ev, chosen: dict) -> dict[str, Any]:
+    """What bounds the predicted speedup of the chosen tree: τ, the drafter or verification (issue 27,
+    "where a target is missed, say what limits it, measured"), from the same cost model and calibration.
+
+    The predicted speedup of a tree is τ(T) · c(1) / (c(n) + drafter(T)) (Sequoia, Chen et al. 2024, §3;
+    :func:`decoding.tree_search.choose_rank_tree`).  Its three factors are reported separately, for the
+    tree the planner chose (before ``eval.tree_fallback``):
+
+    * ``step_in_vanilla_steps`` = (c(n) + drafter) / c(1): what one speculative step costs in one-token
+      vanilla steps, so the τ that a speedup s needs at this tree is s times it;
+    * ``verify_in_vanilla_steps`` = c(n) / c(1) and ``drafter_share`` = drafter / (c(n) + drafter);
+    * ``drafter_free``: the planner's best tree and its predicted τ and speedup when the drafter is free
+      (its seconds set to 0, the same acceptance and c(n)): the ceiling a faster drafter could reach.
+
+    Args:
+        setup, choose_fn: the head type's planner (:data:`PLANNERS`).
+        stats: the calibrated acceptance statistics (``drafter_seconds`` at the cost model's threads).
+        cost: the cost model c(n).  ev: the ``eval`` section.  chosen: ``choose_fn``'s choice
+            (``nodes``, ``step_seconds``, ``tau``, ``speedup``).
+
+    Returns:
+        ``{"step_in_vanilla_steps", "verify_in_vanilla_steps", "drafter_share", "drafter_free": {"nodes",
+        "depth", "tau", "speedup"}}`` (floats; depth -1 for a budget without a fixed depth).
+    """
+    c1 = cost.verify_seconds(1)
+    verify = cost.verify_seconds(int(chosen["nodes"]))
+    step = float(chosen["step_seconds"])
+    free, _, _ = choose_fn(setup, dataclasses.replace(stats, drafter_seconds=0.0), cost, ev)
+    return {"step_in_vanilla_steps": step / c1, "verify_in_vanilla_steps": verify / c1,
+            "drafter_share": max(step - verify, 0.0) / step if step > 0 else 0.0,
+            "drafter_free": {"nodes": int(free["nodes"]), "depth": int(free.get("depth", -1)),
+                             "tau": float(free["tau"]), "speedup": float(free["speedup"])}}
+
+
+def limits_text(limits: dict[str, Any] | None) -> str:
+    """``; a step costs 1.24 vanilla steps (verification 1.13, drafter 9 %): 1.3x needs tau 1.61; a free
+    drafter: 6 nodes, tau 1.61, 1.28x`` or ``""``."""
+    if not limits:
+        return ""
+    free = limits["drafter_free"]
+    return (f"\nlimits: a step costs {limits['step_in_vanilla_steps']:.2f} vanilla steps (verification "
+            f"{limits['verify_in_vanilla_steps']:.2f}, drafter {100 * limits['drafter_share']:.0f} %): {TARGET_SPEEDUP}x needs tau "
+            f"{TARGET_SPEEDUP * limits['step_in_vanilla_steps']:.2f} at this tree; with a free drafter the best tree is "
+            f"{free['nodes']} nodes, tau {free['tau']:.2f}, {free['speedup']:.2f}x")
 
 
 PROBE_NODES = 4  # the probe tree's size when eval.tree picks the root alone (the grid size nearest to it)

@@ -67,6 +67,10 @@ def test_auto_trees_keep_parity_for_every_tree_head(tiny_base, tiny_model_dir, t
     assert trees_seen <= chosen["nodes"] - 1  # every verified tree within the chosen size
     best = max(c["tokens_per_s"] for c in chosen["candidates"])
     assert chosen["tokens_per_s"] == best
+    limits = tree["limits"]  # speedup = tau / (step in vanilla steps); a free drafter is never predicted slower
+    assert tree["predicted_speedup"] * limits["step_in_vanilla_steps"] == pytest.approx(tree["predicted_tau"])
+    assert limits["drafter_free"]["speedup"] >= tree["predicted_speedup"] * (1 - 1e-9)
+    assert 1.0 < limits["verify_in_vanilla_steps"] <= limits["step_in_vanilla_steps"] and 0 <= limits["drafter_share"] < 1
     if head == "eagle3":  # EAGLE-2 budget n* = total_tokens + 1; no deeper or wider expansion than n* - 1
         n = chosen["nodes"]
         assert chosen["decoding"] == {"total_tokens": n - 1, "depth": min(8, n - 1), "topk": min(10, n - 1)}
@@ -93,6 +97,36 @@ def test_eagle3_budget_charges_the_passes_it_drafts():
     stats.drafter_seconds = 0.0
     chosen, kwargs, _ = _eagle3_choose(setup, stats, cost, ev)
     assert chosen["nodes"] == 8 and kwargs["decoding"] == {"total_tokens": 7, "depth": 7, "topk": 7}
+
+
+@pytest.mark.parametrize("head", ["falcon", "ctc"])
+def test_speed_limits_split_the_predicted_speedup_into_tau_drafter_and_verification(head):
+    """Planted: rank acceptance p = [0.5, 0.25] at depth 1 (τ 1.5 with one draft, 1.75 with two), c(n) =
+    1 s + 0.3 s per drafted node, the drafter 1 s a step.  By hand: 2 nodes give 1.5 / 2.3 = 0.652x, 3 nodes
+    1.75 / 2.6 = 0.673x, so the planner takes 3 nodes, a step of 2.6 vanilla steps (verification 1.6,
+    drafter 1 / 2.6), and 1.3x would need τ 3.38 there; with a free drafter 2 nodes win, 1.5 / 1.3 = 1.154x
+    (3 nodes: 1.75 / 1.6 = 1.094x)."""
+    from decoding.cost_model import CostModel
+    from evaluation.tree_auto import PLANNERS, limits_text, speed_limits
+    from omegaconf import OmegaConf
+
+    stats = AcceptanceStats(budget_sizes=[1, 2, 3], rank_trials=[[4, 4]], rank_hits=[[2, 1]],
+                            budget_accepted=[0, 2, 3], steps=4, drafter_passes=4, drafter_seconds=4.0)
+    cost = CostModel(sizes=[1, 2, 3], verify_ms=[1000.0, 1300.0, 1600.0], key={}, context_tokens=16, repeats=1)
+    ev = OmegaConf.create({"tree": "auto", "tree_grid": [1, 2, 3], "tree_nodes": None})
+    setup = {"k": 1, "passes": 1, "max_depth": 1, "max_rank": 2, "calibration_kwargs": {}}
+    _, choose = PLANNERS[head]
+    chosen, _, _ = choose(setup, stats, cost, ev)
+    assert chosen["nodes"] == 3 and chosen["speedup"] == pytest.approx(1.75 / 2.6)
+    limits = speed_limits(setup, choose, stats, cost, ev, chosen)
+    assert limits["step_in_vanilla_steps"] == pytest.approx(2.6)
+    assert limits["verify_in_vanilla_steps"] == pytest.approx(1.6)
+    assert limits["drafter_share"] == pytest.approx(1 / 2.6)
+    free = limits["drafter_free"]
+    assert free["nodes"] == 2 and free["tau"] == pytest.approx(1.5) and free["speedup"] == pytest.approx(1.5 / 1.3)
+    assert stats.drafter_seconds == 4.0  # the calibration itself is left as it was
+    text = limits_text(limits)
+    assert "2.60 vanilla steps" in text and "1.3x needs tau 3.38" in text and "2 nodes, tau 1.50, 1.15x" in text
 
 
 def test_auto_is_the_default_and_untrained_heads_choose_valid_trees(tiny_base, tiny_model_dir, tmp_path, sharegpt):
