@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
 
 import heads  # noqa: E402
 from core.base_model import load_base_model  # noqa: E402
+from core.rope import cast_module  # noqa: E402
 from decoding.prepacked import restore_linear_weights  # noqa: E402
 from decoding.speculative import SpeculativeDecoder  # noqa: E402
 from decoding.vanilla import eos_token_ids, greedy_generate  # noqa: E402
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     base_packed = prepacked_products(model, ev)  # as the evaluation does (evaluation.runner)
     row_consistent_products(model, ev)
     head, meta = heads.load(args.checkpoint, base_model=model)
-    head.to(dtype=model.dtype).eval()
+    cast_module(head, model.dtype).eval()
     head.requires_grad_(False)
     eos = eos_token_ids(tok, model)
     dec = SpeculativeDecoder(model, head.make_drafter(model, eos_token_ids=eos), eos)

@@ -63,6 +63,7 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
         info["precision"] = precision_info(base_model, None, None)
     else:
         import heads
+        from core.rope import cast_module
 
         path = Path(str(ckpt))
         if not path.is_dir():
@@ -82,7 +83,7 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
         if want is not None and meta["head_type"] != want:
             raise ValueError(f"checkpoint {path} holds a {meta['head_type']!r} head but heads.type={want!r}; "
                              f"run with heads={meta['head_type']}")
-        head.to(device=device, dtype=base_model.dtype).eval()  # the drafter computes in the eval dtype too
+        cast_module(head, base_model.dtype, device).eval()  # the drafter computes in the eval dtype too (RoPE stays fp32)
         head.requires_grad_(False)
         if (packed := pack_like_base(head, base_model)):
             info["head_prepacked_layers"] = len(packed)

@@ -113,7 +113,9 @@ class CTCHead(DraftHead):
     def __init__(self, cfg: dict[str, Any], base_config) -> None:
         cfg = _resolve_cfg(cfg)
         super().__init__(cfg, base_config)
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        from core.rope import RotaryEmbedding
 
         self.num_slots = int(cfg["slots"])
         self.num_targets = int(cfg["targets"])
@@ -125,7 +127,7 @@ class CTCHead(DraftHead):
         self.slot_embed = nn.Parameter(torch.randn(self.num_slots, h) * float(getattr(base_config, "initializer_range", 0.02)))
         self.layer = LlamaDecoderLayer(layer_cfg, layer_idx=0)
         self.layer.input_layernorm = nn.Identity()  # EAGLE: no input norm on the first draft layer
-        self.rotary = LlamaRotaryEmbedding(layer_cfg)
+        self.rotary = RotaryEmbedding(layer_cfg)
         self.blank = nn.Linear(h, 1, bias=True)  # w_ε·ĥ + b_ε
         nn.init.zeros_(self.blank.weight)
         nn.init.zeros_(self.blank.bias)

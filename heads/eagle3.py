@@ -300,7 +300,9 @@ class Eagle3Head(DraftHead):
         if merged["layers"] is None:
             merged["layers"] = default_layers(L)
         super().__init__(merged, base_config)
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        from core.rope import RotaryEmbedding
 
         H = self.hidden_size
         self.layers = [int(x) for x in merged["layers"]]
@@ -312,7 +314,7 @@ class Eagle3Head(DraftHead):
         self.norm = LlamaRMSNorm(H, eps=float(getattr(base_config, "rms_norm_eps", 1e-6)))
         # own trainable head; not `lm_head` / `draft_lm_head` (DraftHead's frozen W / W[d2t] methods)
         self.trainable_lm_head = DraftLMHead(H, self.num_draft_tokens)
-        self.rotary_emb = LlamaRotaryEmbedding(layer_cfg)
+        self.rotary_emb = RotaryEmbedding(layer_cfg)
         std = float(getattr(base_config, "initializer_range", 0.02))
         for module in (self.fc, self.midlayer):
             for sub in module.modules():

@@ -115,7 +115,9 @@ class FalconHead(DraftHead):
         merged = _merge(DEFAULTS, dict(cfg))
         check_falcon_config(merged)
         super().__init__(merged, base_config)
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        from core.rope import RotaryEmbedding
 
         c = merged
         self.k = int(c["block_size"])
@@ -133,7 +135,7 @@ class FalconHead(DraftHead):
             self.lstm = nn.LSTM(2 * H, H, num_layers=int(c["lstm_layers"]), dropout=float(c["lstm_dropout"]))
         self.layers = nn.ModuleList([LlamaDecoderLayer(layer_cfg, layer_idx=i) for i in range(int(c["num_layers"]))])
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE: no input norm on the first layer
-        self.rotary_emb = LlamaRotaryEmbedding(layer_cfg)
+        self.rotary_emb = RotaryEmbedding(layer_cfg)
         std = float(getattr(base_config, "initializer_range", 0.02))
         for module in self.modules():
             if isinstance(module, nn.Linear):

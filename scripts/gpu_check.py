@@ -43,6 +43,7 @@ WORDS = ["The quick brown fox jumps over the lazy dog.", "Speculative decoding d
 def build_base(tiny: bool, dtype: torch.dtype, seed: int = 0):
     """``(model, tokenizer, identity)``: a random frozen Llama (``BIG`` or ``core.tiny``) and the tiny tokenizer."""
     from core.base_model import BaseIdentity
+    from core.rope import cast_module
     from core.tiny import tiny_llama_config, tiny_tokenizer
     from transformers import LlamaForCausalLM
 
@@ -51,7 +52,7 @@ def build_base(tiny: bool, dtype: torch.dtype, seed: int = 0):
     shape.setdefault("vocab_size", len(tok))
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initialise where it will run
-        model = LlamaForCausalLM(tiny_llama_config(attn_implementation="sdpa", **shape)).to(dtype).eval()
+        model = cast_module(LlamaForCausalLM(tiny_llama_config(attn_implementation="sdpa", **shape)), dtype).eval()
     model.requires_grad_(False)
     c = model.config
     ident = BaseIdentity(source="random:" + ("tiny" if tiny else "llama-1.1b"), sha256=None,

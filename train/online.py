@@ -332,7 +332,9 @@ class BaseFeatures:
         dtype = compute_dtype if isinstance(compute_dtype, torch.dtype) or compute_dtype is None \
             else torch_dtype(compute_dtype)
         if dtype is not None and model.dtype != dtype:
-            model = copy.deepcopy(model).to(dtype)
+            from core.rope import cast_module
+
+            model = cast_module(copy.deepcopy(model), dtype)  # RoPE's inv_freq stays fp32, as from_pretrained leaves it
         self.compute_dtype = model.dtype
         self.model = model
         self.layers = sorted(int(l) for l in layers)
@@ -345,7 +347,9 @@ class BaseFeatures:
     def to(self, device: torch.device | str) -> "BaseFeatures":
         """Move the base to ``device``, in its compute dtype on every device (issue 28: a GPU once cast
         it to bf16 whatever ``model.dtype`` said, so online features differed from the cache's)."""
-        self.model.to(device=torch.device(device), dtype=self.compute_dtype)
+        from core.rope import cast_module
+
+        cast_module(self.model, self.compute_dtype, torch.device(device))
         return self
 
     @torch.no_grad()
