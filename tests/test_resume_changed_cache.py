@@ -154,3 +154,35 @@ def test_resume_against_a_rebuilt_cache_is_refused_with_the_difference(tiny_mode
     _write_cache(cache, tiny_model_dir)
     result = train(_cfg(tmp_path, cache, "run", ["resume=auto"]), base=tiny_base)
     assert result["exports"] and int(result["trainer"].global_step) == 4
+
+
+def test_resume_on_another_number_of_ranks_is_refused_before_anything_is_written(tiny_model_dir, tiny_base, tmp_path):
+    """A checkpoint's data position counts finished batches per rank (rank r trains global positions r,
+    r + W, ...): written by 2 ranks after 3 batches each (global 0-5), replayed on one rank it would
+    train global positions 3-5 again; the resume is refused, naming both world sizes, and nothing is
+    written.  The same world size resumes; a checkpoint from before the key counts its gathered RNG states."""
+    from train.checkpoint_io import SafetensorsCheckpointIO
+    from train.resume import last_checkpoint, saved_world_size
+    from train.run import train
+
+    cache = _write_cache(tmp_path / "cache", tiny_model_dir)
+    with pytest.raises(Kill):
+        train(_cfg(tmp_path, cache, "run"), base=tiny_base, callbacks=[_kill_at(3)])
+    run = tmp_path / "runs" / "falcon" / "run"
+    ckpt = last_checkpoint(run)
+    io = SafetensorsCheckpointIO()
+    state = io.load_checkpoint(ckpt)
+    assert state["world_size"] == 1 and saved_world_size(state) == 1
+    state["world_size"] = 2
+    io.save_checkpoint(state, ckpt)
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    with pytest.raises(UserInputError, match=r"refused: it was written by 2 rank\(s\) and this launch has 1 .*"
+                                             r"Resume with 2 rank\(s\) in all"):
+        train(_cfg(tmp_path, cache, "run", ["resume=auto"]), base=tiny_base)
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before  # nothing written
+    assert saved_world_size({"rng_states": {}, "rng_states_per_rank": [{}, {}, {}]}) == 3  # older checkpoints
+    assert saved_world_size({"rng_states": {}}) == 1
+    state["world_size"] = 1
+    io.save_checkpoint(state, ckpt)
+    result = train(_cfg(tmp_path, cache, "run", ["resume=auto"]), base=tiny_base)
+    assert int(result["trainer"].global_step) == 4

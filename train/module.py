@@ -307,7 +307,8 @@ class DraftHeadModule(pl.LightningModule):
     # -- resume state ------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add the global RNG states (torch, numpy, python, cuda) of *every* rank for exact resume,
-        and ``data_identity`` (the data the run trains on, :func:`train.resume.data_identity`).
+        ``data_identity`` (the data the run trains on, :func:`train.resume.data_identity`) and
+        ``world_size`` (the ranks that wrote it, :func:`train.resume.check_resume_world_size`).
 
         ``rng_states`` is this (global rank 0's) state; with several ranks ``rng_states_per_rank``
         holds each rank's (gathered here: Lightning calls this hook on every rank, rank 0 writes).
@@ -321,6 +322,8 @@ class DraftHeadModule(pl.LightningModule):
         if self.data_identity:  # checked on resume (train.resume.check_resume_data)
             checkpoint["data_identity"] = self.data_identity
         trainer = self._trainer
+        if trainer is not None:  # checked on resume (train.resume.check_resume_world_size)
+            checkpoint["world_size"] = int(trainer.world_size)
         if trainer is not None and trainer.world_size > 1 and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * trainer.world_size
             torch.distributed.all_gather_object(gathered, states)  # in memory; the file holds no pickle

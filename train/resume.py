@@ -520,3 +520,44 @@ def check_resume_data(ckpt_path: str | Path, head, identity: dict[str, dict[str,
                              f"launch would use ({'; '.join(problems)}); its draft vocabulary, data position and "
                              "optimizer state belong to that data. Resume with the cache the run was trained on, or "
                              "start a new run (another train.run_name)")
+
+
+def saved_world_size(checkpoint: dict[str, Any]) -> int:
+    """The number of ranks that wrote a checkpoint of :class:`train.module.DraftHeadModule`: its
+    ``world_size``, or for a checkpoint written before that key, the length of ``rng_states_per_rank``
+    (gathered only on more than one rank), else 1."""
+    if "world_size" in checkpoint:
+        return int(checkpoint["world_size"])
+    per_rank = checkpoint.get("rng_states_per_rank")
+    return len(per_rank) if per_rank else 1
+
+
+def check_resume_world_size(ckpt_path: str | Path, world_size: int) -> None:
+    """Refuse a resume on another number of ranks than the checkpoint was written on.
+
+    ``train.devices`` and ``train.num_nodes`` may change between launches (8 devices on one node
+    resume as 4 on two), but their product may not.  A run's data position is a per-rank count of
+    finished batches into a stride of the epoch's global batch order (rank r trains positions r, r + W,
+    ...; :class:`train.data.ShardedBatchSampler`): replayed on W' ranks it repeats batches (W > W') or
+    skips them (W < W').  The global batch (W x batch size x accumulation), hence the steps of an
+    epoch, the LR schedule's length and the tokens-seen validation schedule, and each rank's RNG state
+    belong to W as well; ZeRO's optimizer partitions too (:mod:`train.zero_checkpoint`).
+
+    Args:
+        ckpt_path: the Lightning checkpoint the launch would resume from.
+        world_size: this launch's ranks (``train.devices`` x ``train.num_nodes``, resolved).
+
+    Raises:
+        UserInputError: the two differ; names both, before anything is written.
+    """
+    from core.config import UserInputError
+    from train.checkpoint_io import SafetensorsCheckpointIO
+
+    saved = saved_world_size(SafetensorsCheckpointIO().load_checkpoint(ckpt_path))
+    if saved != int(world_size):
+        raise UserInputError(
+            f"resume from {ckpt_path} refused: it was written by {saved} rank(s) and this launch has {world_size} "
+            f"(train.devices x train.num_nodes). Its data position counts batches per rank, and its global batch, "
+            f"LR schedule and RNG states belong to {saved} ranks: on {world_size} some batches would be trained "
+            f"twice or never. Resume with {saved} rank(s) in all, or start a new run (another train.run_name)")
+

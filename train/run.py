@@ -296,6 +296,10 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     resume_step = _checkpoint_step(ckpt_path) if ckpt_path else None
     # its loggers and callbacks write lazily
     trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks, resume_step=resume_step)
+    if ckpt_path:  # so is one written on another number of ranks
+        from train.resume import check_resume_world_size
+
+        check_resume_world_size(ckpt_path, trainer.world_size)
     run_dir.mkdir(parents=True, exist_ok=True)  # validated first, so a refused run leaves no directory
     if resume_step is None or not (run_dir / "config.yaml").is_file():
         save_config(cfg, run_dir)
