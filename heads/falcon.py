@@ -341,7 +341,9 @@ class FalconHead(DraftHead):
         x_{t+1+i} at RoPE position t+i, under the EAGLE-3 mask (:func:`losses.ttt.ttt_visibility`:
         the true-feature slots s ≤ t and the slot's own earlier steps; the keys of earlier steps
         come from a :class:`decoding.falcon.DraftKVCache`), and is scored by
-        :func:`losses.falcon.falcon_loss` against f_{t+1+i} where m_{t+i}.  Loss = Σ_i
+        :func:`losses.falcon.falcon_loss` against f_{t+1+i} where m_{t+i}, with the single-step pass's
+        out-of-vocabulary rule (a row whose greedy label is outside the draft vocabulary leaves the CE
+        term and counts as a miss; :meth:`_loss_on`).  Loss = Σ_i
         ``ttt_decay``^i · L_i (arXiv 2503.01840 §3.2; EAGLE ``traineagle3``: 0.8^i).  Labelled
         as an option so an ablation can separate TTT from EAGLE-3's architecture; validation
         (``sim_tau``) stays the single-step teacher-forced pass.
@@ -364,12 +366,13 @@ class FalconHead(DraftHead):
             m = shift_left(mask, i, False)
             tgt = shift_left(inp["F_tgt"], i, 0)
             sel_p, sel_t = pred[m], tgt[m]
+            in_vocab = shift_left(inp["in_vocab"], i, False)[m]  # the out-of-vocabulary rule of _loss_on
             with torch.no_grad():
                 teacher = self.logits_fp32(sel_t)
             teacher_ids = teacher.argmax(-1)
-            loss_i, parts, _, student_ids = self._falcon_loss(sel_p, sel_t, teacher, teacher_ids, None)
+            loss_i, parts, _, student_ids = self._falcon_loss(sel_p, sel_t, teacher, teacher_ids, in_vocab)
             total = total + (decay ** i) * loss_i + 0.0 * pred.sum()
-            hit = (student_ids == teacher_ids).float()
+            hit = ((student_ids == teacher_ids) & in_vocab).float()
             metrics[f"loss_step{i}"] = float(loss_i.detach())
             metrics[f"acc_step{i}"] = float(hit.mean()) if hit.numel() else 0.0
             if i == 0:

@@ -487,9 +487,12 @@ def test_train_reload_and_decode(tiny_base, tiny_model_dir, tmp_path, draft_voca
 
 
 # -- the same unrolling offered to Falcon k = 1 ------------------------------------------------------
-def test_falcon_k1_ttt_equals_hand_unrolled_reference(tiny_base):
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_falcon_k1_ttt_equals_hand_unrolled_reference(tiny_base, draft_vocab):
     """heads=falcon_k1 heads.ttt_steps=2: L0 + 0.8·L1, where step 1 of slot t is a causal forward
-    over the true slots 0..t plus (f̂_t, x_{t+2}) at position t+1, scored against f_{t+2}."""
+    over the true slots 0..t plus (f̂_t, x_{t+2}) at position t+1, scored against f_{t+2}.  With a
+    draft vocabulary holding half of the batch's labels, every step keeps the single-step rule: a row
+    whose greedy label (x_{t+2} for step 1) is outside it leaves the CE term and counts as a miss."""
     import heads
     from heads import Progress
     from decoding.masks import additive_mask
@@ -497,16 +500,20 @@ def test_falcon_k1_ttt_equals_hand_unrolled_reference(tiny_base):
 
     base = tiny_base[0]
     cfg = {"type": "falcon", "block_size": 1, "glancing": {"enabled": False}, "noise": {"type": "none"}}
-    head = heads.build({**cfg, "ttt_steps": 2}, base)
+    lengths = [9, 6]
+    batch = _batch(base, lengths)
+    extra, counts = {}, None
+    if draft_vocab:
+        counts = torch.bincount(batch["labels"][batch["loss_mask"]], minlength=int(base.config.vocab_size))
+        extra = {"draft_vocab_size": max(2, int((counts > 0).sum()) // 2)}
+    head = heads.build({**cfg, **extra, "ttt_steps": 2}, base, label_counts=counts)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if "self_attn" in name or name.startswith("fc."):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    one = heads.build({**cfg, "ttt_steps": 1}, base)
+    one = heads.build({**cfg, **extra, "ttt_steps": 1}, base, label_counts=counts)
     one.load_state_dict(head.state_dict())
-    lengths = [9, 6]
-    batch = _batch(base, lengths)
     loss, metrics = head.training_loss(batch, Progress())
     assert metrics["loss_step0"] == pytest.approx(float(one.training_loss(batch, Progress())[0]), rel=1e-5)
 
@@ -515,7 +522,7 @@ def test_falcon_k1_ttt_equals_hand_unrolled_reference(tiny_base):
         vis = additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), torch.float32)
         return head(feats[None], toks[None], torch.arange(n)[None], vis[None, None])[0]
 
-    preds, tgts = [], []
+    preds, tgts, in_vocab = [], [], []
     for b, n in enumerate(lengths):
         ids, f = batch["input_ids"][b, :n], batch["hidden"][b, :n]
         h0 = causal(f, torch.cat([ids[1:], ids[:1]]))
@@ -523,9 +530,15 @@ def test_falcon_k1_ttt_equals_hand_unrolled_reference(tiny_base):
             if batch["loss_mask"][b, t + 2]:
                 h1 = causal(torch.cat([f[: t + 1], h0[t][None]]), torch.cat([ids[1: t + 2], ids[t + 2: t + 3]]))[-1]
                 preds.append(h1); tgts.append(f[t + 2])
-    P, Tg = torch.stack(preds), torch.stack(tgts)
-    L1, _ = falcon_loss(P, Tg, head.logits_fp32(P), head.logits_fp32(Tg), torch.ones(len(preds), dtype=torch.bool))
+                in_vocab.append(bool(head.to_draft_ids(batch["labels"][b, t + 2: t + 3])[0] >= 0))
+    P, Tg, ce = torch.stack(preds), torch.stack(tgts), torch.tensor(in_vocab)
+    assert bool(ce.all()) != draft_vocab  # the precondition: some step-1 labels are out of vocabulary
+    student, teacher = head.logits_fp32(P), head.logits_fp32(Tg)
+    L1, _ = falcon_loss(P, Tg, student, teacher, torch.ones(len(preds), dtype=torch.bool),
+                        ce_mask=ce if draft_vocab else None)
     assert metrics["loss_step1"] == pytest.approx(float(L1), rel=1e-5)
+    hit = (student.argmax(-1) == teacher.argmax(-1)) & ce
+    assert metrics["acc_step1"] == pytest.approx(float(hit.float().mean()), abs=1e-6)
     assert float(loss) == pytest.approx(metrics["loss_step0"] + 0.8 * float(L1), rel=1e-5)
     with pytest.raises(ValueError, match="heads.ttt_steps"):
         heads.build({"type": "falcon", "ttt_steps": 2}, base)  # k = 2 with glancing
