@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _distributed_worker import run_one  # noqa: E402  (registers the test_dist head)
-from test_data_prep import _conversations  # noqa: E402
+from test_data_prep import WORDS, _conversations  # noqa: E402
 
 ONLINE = ["labels=teacher_forced", "data.max_conversations=null", "data.heldout_fraction=0.25", "data.max_length=96",
           "prep.layers=[2]", "prep.progress=false", "prep.shard_size=4", "prep.batch_tokens=150"]
@@ -334,3 +334,30 @@ def test_online_auto_draft_vocab_is_the_full_vocabulary_and_explicit_n_is_refuse
     train(cfg, base=tiny_base)
     exported = json.loads(next((tmp_path / "auto" / "runs").glob("*/bad/last/config.json")).read_text())
     assert exported["head"]["draft_vocab_size"] is None
+
+
+def test_online_records_are_the_cache_records_when_a_turn_is_dropped(tiny_base, tiny_model_dir, tmp_path):
+    """A conversation whose later user turn holds the text of a special token loses that turn, not the
+    conversation, in data prep (``turns_dropped_special_token_text``); the online records are the
+    cache's records, id for id and token for token, that conversation's first turn included."""
+    model, tok, ident = tiny_base
+    convs = _conversations(12)
+    convs.insert(5, {"id": "special-turn", "conversations": [
+        {"from": "human", "value": WORDS[0]}, {"from": "gpt", "value": " ".join(WORDS[1:4])},
+        {"from": "human", "value": f"{WORDS[4]} <|im_end|> {WORDS[5]}"}, {"from": "gpt", "value": WORDS[6]}]})
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(convs))
+    cfg = _cfg(tiny_model_dir, path, tmp_path)
+    pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
+    root = cache_mod.default_cache_dir(cfg)
+    records = online.tokenize_split(cfg, tok, model)
+    seen = set()
+    for split in ("train", "val"):
+        reader = open_split(root, split)
+        cached = {r["id"]: r for r in (reader[i] for i in range(len(reader)))}
+        got = {r["id"]: r for r in records[split].records}
+        assert sorted(got) == sorted(cached), split
+        for cid, r in got.items():
+            assert torch.equal(r["input_ids"], cached[cid]["input_ids"]) and torch.equal(r["loss_mask"], cached[cid]["loss_mask"])
+        seen |= set(got)
+    assert "special-turn" in seen  # kept without its second turn, as data prep keeps it

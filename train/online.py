@@ -5,8 +5,8 @@ two modes need no hidden-state cache before training:
 
 * **online** - the data module yields *token* batches: conversations read, split, templated and
   masked by the front half of data prep (:func:`data_prep.pipeline.read_split`,
-  :func:`data_prep.template.segment_conversation` / :func:`~data_prep.template.flatten`, the same
-  drops as :func:`data_prep.pipeline.build_records`), batched exactly like the cache's records.
+  :func:`data_prep.front.template_split`, the same records, ids and drops as
+  :func:`data_prep.pipeline.build_records`), batched exactly like the cache's records.
   :class:`BaseFeatures` then runs the frozen base (eval, no grad, in ``model.dtype`` - the compute
   dtype of the feature definition, ``data_prep.features``, on every device) on every batch and
   fills in exactly what the cache of the same settings would have given
@@ -75,26 +75,30 @@ class ConversationRecords:
 def tokenize_split(cfg, tokenizer, model) -> dict[str, ConversationRecords]:
     """Read, split, template and mask the conversations of ``cfg.data`` like data prep does.
 
-    Same conversations, order and drops (template errors, no assistant token within
-    ``data.max_length``) as a ``labels=teacher_forced`` cache of the same config.
+    Same records, ids, order and drops as a ``labels=teacher_forced`` cache of the same config, by the
+    same code (:func:`data_prep.front.template_split`, :meth:`TemplatedConversation.encode`): a turn no
+    rendering can give its inference view is dropped and the conversation kept; a conversation the
+    template splits is several records (``<id>#<k>``); a record with no assistant token within
+    ``data.max_length`` is dropped.
 
     Returns:
         ``{"train": ConversationRecords, "val": ConversationRecords}``.
+
+    Raises:
+        core.config.UserInputError: no conversation could be read or templated (as data prep).
     """
+    from data_prep.front import template_split
     from data_prep.pipeline import read_split
-    from data_prep.template import TemplateError, end_of_turn_ids, flatten, segment_conversation
+    from data_prep.template import end_of_turn_ids
 
     data = read_split(cfg.data)
-    eos = end_of_turn_ids(tokenizer, model)
     max_length = int(cfg.data.max_length)
+    templated = template_split(tokenizer, data, end_of_turn_ids(tokenizer, model), max_length)
     out = {}
     for split in SPLITS:
         records = []
-        for conv in getattr(data, split):
-            try:
-                ids, mask = flatten(segment_conversation(tokenizer, conv.messages, conv.id, eos, max_length), max_length)
-            except TemplateError:
-                continue
+        for conv in templated[split]:
+            ids, mask = conv.encode(max_length)
             if not any(mask):
                 continue
             records.append({"id": conv.id, "input_ids": torch.as_tensor(ids, dtype=torch.long),
