@@ -56,7 +56,10 @@ SGLang ``python/sglang/srt/models/llama_eagle.py`` (``LlamaForCausalLMEagle``):
     exported ``fc.bias`` must exist), ``tie_word_embeddings: false``.  Weights: ``fc.weight``
     [H, 2H] over [Emb(x) ; f] and ``fc.bias`` [H], ``layers.{i}.*`` (HF Llama decoder keys; layer
     0 has no ``input_layernorm``, as EAGLE's ``cnets.py`` and SGLang skip it).  No final norm and
-    no LM head: the target's LM head reads the drafter output.
+    no LM head: the target's LM head reads the drafter output.  A head with a draft vocabulary also
+    writes :data:`HOT_TOKENS_FILE` (its ``d2t``, base ids; ``config["draftheads"]["draft_vocab"]``
+    names it): the format drafts over the full vocabulary unless the engine restricts it (SGLang's
+    FR-Spec ``--speculative-token-map``).
 
 Other heads (Falcon k ≥ 2, LSTM fuse, CTC, AdaDecode) have no engine format: a one-line error
 names the formats that exist.
@@ -74,6 +77,8 @@ from typing import Any, Callable
 import torch
 
 FORMATS = ("sglang", "vllm", "speculators", "eagle1")
+#: an ``eagle1`` export of a head with a draft vocabulary writes its base ids here (JSON ``hot_token_ids``)
+HOT_TOKENS_FILE = "hot_token_ids.json"
 #: formats holding speculators' Eagle3SpeculatorConfig layout (one layout, named by either engine)
 SPECULATORS_LAYOUT = ("vllm", "speculators")
 _FORMAT_HEADS = ("sglang, vllm, speculators (heads=eagle3); eagle1 (heads=falcon_k1: falcon with block_size=1, "
@@ -243,6 +248,13 @@ def build_export(meta: dict[str, Any], state: dict[str, torch.Tensor], fmt: str,
            "num_hidden_layers": int(head["num_layers"]), "vocab_size": int(meta["base"]["vocab_size"]),
            "bias": True, "tie_word_embeddings": False}
     tensors = {k: v for k, v in state.items() if k.startswith(("fc.", "layers."))}
+    if "d2t" in state:  # the format has no draft vocabulary: carried as FR-Spec's hot-token list beside it
+        ids = [int(t) for t in state["d2t"].tolist()]
+        cfg["draftheads"] = {"draft_vocab": {
+            "size": len(ids), "file": HOT_TOKENS_FILE, "hot_token_ids": ids,
+            "note": "trained and evaluated drafting over these base ids only; the EAGLE-1 format drafts over the "
+                    "target's full vocabulary unless the engine restricts it (SGLang: --speculative-token-map, "
+                    "FR-Spec; docs/exports.md)"}}
     return cfg, tensors
 
 
@@ -300,6 +312,10 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
         tensors = {k: (v if k == "embed_tokens.weight" or not v.is_floating_point() else v.float()).contiguous()
                    for k, v in tensors.items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        vocab = cfg["draftheads"].get("draft_vocab")
+        if vocab is not None and "hot_token_ids" in vocab:  # the list goes to its own file, config.json names it
+            ids = vocab.pop("hot_token_ids")
+            (tmp / vocab["file"]).write_text(json.dumps({"hot_token_ids": ids, "size": len(ids)}) + "\n")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if out.exists():
             out.rmdir()

@@ -211,6 +211,39 @@ def test_eagle1_export_of_falcon_k1(tiny_base, tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_eagle1_export_carries_the_draft_vocabulary_as_hot_token_ids(tiny_base, tmp_path):
+    """EAGLE-1 has no draft vocabulary: the export writes the head's d2t as FR-Spec's hot-token list
+    (``hot_token_ids.json``, named in config.json), and the exported drafter's logits restricted to those
+    ids (what SGLang's --speculative-token-map does) are the head's draft-vocabulary logits."""
+    import heads
+    from heads.export import HOT_TOKENS_FILE, export
+
+    base, _, identity = tiny_base
+    V = int(base.config.vocab_size)
+    counts = torch.arange(V, dtype=torch.int64) % 97  # a draft vocabulary of 64 scattered ids
+    head = heads.build({"type": "falcon", "block_size": 1, "glancing": {"enabled": False}, "num_layers": 2,
+                        "draft_vocab_size": 64}, base, label_counts=counts)
+    _sharpen(head)
+    ckpt = _save(head, base, tmp_path / "ckpt", identity)
+    out = export(ckpt, "eagle1", tmp_path / "out")
+    cfg = json.loads((out / "config.json").read_text())
+    vocab = cfg["draftheads"]["draft_vocab"]
+    assert vocab["size"] == 64 and vocab["file"] == HOT_TOKENS_FILE and "hot_token_ids" not in vocab
+    hot = json.loads((out / HOT_TOKENS_FILE).read_text())
+    assert hot == {"hot_token_ids": head.d2t.tolist(), "size": 64}
+    ids = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(6))
+    got = read_eagle1(out, base, ids)[:, torch.tensor(hot["hot_token_ids"])]
+    with torch.no_grad():
+        o = base(input_ids=ids[None], output_hidden_states=True)
+        T = ids.numel()
+        f = head.forward_train(o.hidden_states[-1], torch.cat([ids[1:], ids[:1]])[None], torch.ones(1, T, dtype=torch.bool))
+        want = head.draft_lm_head(f[0])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    plain = export(_save(heads.build({"type": "falcon", "block_size": 1, "glancing": {"enabled": False}}, base), base,
+                         tmp_path / "full", identity), "eagle1", tmp_path / "out_full")
+    assert not (plain / HOT_TOKENS_FILE).exists() and "draft_vocab" not in json.loads((plain / "config.json").read_text())["draftheads"]
+
+
 def test_export_errors(tiny_base, tmp_path, tiny_model_dir):
     import heads
     from core.tiny import save_tiny_model
