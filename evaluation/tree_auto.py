@@ -439,8 +439,9 @@ def speed_limits(setup, choose_fn, stats: AcceptanceStats, cost: CostModel, ev, 
 
 
 def limits_text(limits: dict[str, Any] | None) -> str:
-    """``; a step costs 1.24 vanilla steps (verification 1.13, drafter 9 %): 1.3x needs tau 1.61; a free
-    drafter: 6 nodes, tau 1.61, 1.28x`` or ``""``."""
+    """One more console line, or ``""`` without limits: ``limits: a step costs 1.25 vanilla steps
+    (verification 1.13, drafter 9 %): 1.3x needs tau 1.62 at this tree; with a free drafter the best tree
+    is 6 nodes, tau 1.61, 1.28x``."""
     if not limits:
         return ""
     free = limits["drafter_free"]
