@@ -19,7 +19,7 @@ from typing import Iterable, Iterator
 from core.config import UserInputError
 from data_prep.sharegpt import Conversation, ReadStats
 from data_prep.sources import SourceSpec, mix, source_specs, warn_replacements
-from data_prep.split import is_heldout, root_id
+from data_prep.split import RootCounter, is_heldout, root_id
 from data_prep.template import Segment, TemplateError, flatten, segment_records
 
 SPLITS = ("train", "val")
@@ -84,13 +84,20 @@ def read_split(data_cfg) -> SplitConversations:
 
     Raises:
         UserInputError: a source cannot be read, or a source read to its end yielded no usable
-            conversation (named, with its drop counts and first offending record) — raised
-            before anything is written.
+            conversation (named, with its drop counts and first offending record), or under
+            ``data.split_key=root`` one root id gathers more than ``MAX_PARTS_PER_ROOT`` conversations
+            (:class:`data_prep.split.RootCounter`) — raised before anything is written.
     """
     out = SplitConversations(sources=source_specs(data_cfg))
     limit = data_cfg.get("max_conversations")
     exhausted = set(range(len(out.sources)))
+    roots = RootCounter() if str(data_cfg.get("split_key", "root")) == "root" else None
     for k, conv in mix(out.sources):
+        if roots is not None:
+            try:
+                roots.add(out.sources[k].name, conv.id)
+            except ValueError as exc:
+                raise UserInputError(str(exc)) from None
         getattr(out, split_of(conv.id, data_cfg)).append(conv)
         if limit is not None and len(out.train) + len(out.val) >= int(limit):
             exhausted = {j for j, s in enumerate(out.sources) if s.stats.finished}

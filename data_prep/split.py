@@ -21,6 +21,40 @@ def root_id(conversation_id: str) -> str:
     return _PART_SUFFIX.sub("", conversation_id) or conversation_id
 
 
+#: the most conversations one root id may gather under ``data.split_key=root`` (ShareGPT V3's largest
+#: conversation is split into 89 parts); more look like enumerated ids (``identity_0`` ... ``identity_917``)
+#: that all share one root and so would all land on one side of the split
+MAX_PARTS_PER_ROOT = 256
+
+
+class RootCounter:
+    """Counts conversations per (source, root id) under ``data.split_key=root`` and refuses a root that
+    gathers more than :data:`MAX_PARTS_PER_ROOT` of them, before anything is written.
+
+    Raises (from :meth:`add`):
+        ValueError: names the source, the root, how many ids it gathered and two of them, and the fix.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], int] = {}
+        self._first: dict[tuple[str, str], str] = {}
+
+    def add(self, source: str, conversation_id: str) -> None:
+        root = root_id(conversation_id)
+        if root == conversation_id:
+            return
+        key = (source, root)
+        n = self._counts.get(key, 0) + 1
+        self._counts[key] = n
+        self._first.setdefault(key, conversation_id)
+        if n > MAX_PARTS_PER_ROOT:
+            raise ValueError(
+                f"{source}: {n} conversations share the root id {root!r} ({self._first[key]!r} ... {conversation_id!r}) "
+                f"under data.split_key=root, so they would all land on one side of the held-out split. Root ids join "
+                f"the parts <root>_<k> of one ShareGPT conversation (at most {MAX_PARTS_PER_ROOT}); these look like "
+                f"enumerated ids: set data.split_key=id")
+
+
 def heldout_score(conversation_id: str, salt: str) -> float:
     """The id's position in [0, 1): the first 8 bytes of ``sha256(salt:id)`` / 2**64."""
     digest = hashlib.sha256(f"{salt}:{conversation_id}".encode("utf-8")).digest()

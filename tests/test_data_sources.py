@@ -105,6 +105,27 @@ def test_heldout_split_keeps_the_parts_of_one_conversation_together():
     assert any(len({split_of(f"{r}_{k}", cfg_id) for k in range(4)}) == 2 for r in roots)
 
 
+def test_enumerated_ids_under_one_root_are_refused_until_split_key_is_id(tmp_path):
+    """FastChat-style ids ``identity_0`` ... share the root ``identity``: keyed by root, the whole source
+    would land on one side of the split.  More conversations under one root than any ShareGPT conversation
+    has parts is refused by name, before anything is written; ``data.split_key=id`` reads them all, and a
+    ShareGPT conversation of many parts is still one root."""
+    from data_prep.split import MAX_PARTS_PER_ROOT
+
+    n = MAX_PARTS_PER_ROOT + 1
+    enumerated = tmp_path / "identity.jsonl"
+    enumerated.write_text("\n".join(json.dumps(_sharegpt(i, prefix="identity_")) for i in range(n)))
+    with pytest.raises(UserInputError, match=rf"identity\.jsonl: {n} conversations share the root id 'identity' "
+                                             r"\('identity_0' \.\.\. 'identity_256'\).*set data.split_key=id"):
+        read_split(_data_cfg("data.heldout_fraction=0.3", f"data.path={enumerated}"))
+    data = read_split(_data_cfg("data.heldout_fraction=0.3", f"data.path={enumerated}", "data.split_key=id"))
+    assert len(data.train) + len(data.val) == n and data.train and data.val  # both sides, as ids hash apart
+    parts = tmp_path / "parts.jsonl"
+    parts.write_text("\n".join(json.dumps(_sharegpt(k, prefix="QWJhYvA_")) for k in range(89)))  # ShareGPT V3's largest
+    data = read_split(_data_cfg("data.heldout_fraction=0.3", f"data.path={parts}"))
+    assert len(data.train) + len(data.val) == 89 and not (data.train and data.val)  # one conversation, one side
+
+
 @pytest.mark.parametrize("kind", ["parquet", "arrow_dir"])
 def test_python_m_data_prep_runs_on_a_parquet_file_or_a_saved_dataset(written, kind, tiny_model_dir, tmp_path):
     from data_prep.__main__ import main
