@@ -230,7 +230,7 @@ def test_online_base_keeps_the_definition_dtype_on_a_gpu():
     """Issue 28: ``BaseFeatures.to(cuda)`` cast the base to bf16 whatever ``model.dtype`` said."""
     from train.online import BaseFeatures
 
-    class Stub:
+    class Stub(torch.nn.Module):  # records the cast instead of making it (no GPU here)
         dtype = torch.float32
         config = SimpleNamespace(num_hidden_layers=2)
         calls: list = []
