@@ -192,6 +192,14 @@ def read_eagle1(out, base, ids):
     return h @ base.get_output_embeddings().weight.T
 
 
+@torch.no_grad()
+def _falcon_k1_outputs(head, base, ids):
+    """The head's teacher-forced outputs f̂ [T, H] over the base's final features of ``ids`` [T]."""
+    o = base(input_ids=ids[None], output_hidden_states=True)
+    T = ids.numel()
+    return head.forward_train(o.hidden_states[-1], torch.cat([ids[1:], ids[:1]])[None], torch.ones(1, T, dtype=torch.bool))[0]
+
+
 def test_eagle1_export_of_falcon_k1(tiny_base, tmp_path):
     import heads
     from heads.export import export
@@ -203,12 +211,7 @@ def test_eagle1_export_of_falcon_k1(tiny_base, tmp_path):
     out = export(ckpt, "eagle1", tmp_path / "out")
     ids = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(6))
     got = read_eagle1(out, base, ids)
-    with torch.no_grad():
-        o = base(input_ids=ids[None], output_hidden_states=True)
-        T = ids.numel()
-        f = head.forward_train(o.hidden_states[-1], torch.cat([ids[1:], ids[:1]])[None], torch.ones(1, T, dtype=torch.bool))
-        want = head.lm_head(f[0])
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, head.lm_head(_falcon_k1_outputs(head, base, ids)), rtol=1e-4, atol=1e-4)
 
 
 def test_eagle1_export_carries_the_draft_vocabulary_as_hot_token_ids(tiny_base, tmp_path):
@@ -233,11 +236,7 @@ def test_eagle1_export_carries_the_draft_vocabulary_as_hot_token_ids(tiny_base, 
     assert hot == {"hot_token_ids": head.d2t.tolist(), "size": 64}
     ids = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(6))
     got = read_eagle1(out, base, ids)[:, torch.tensor(hot["hot_token_ids"])]
-    with torch.no_grad():
-        o = base(input_ids=ids[None], output_hidden_states=True)
-        T = ids.numel()
-        f = head.forward_train(o.hidden_states[-1], torch.cat([ids[1:], ids[:1]])[None], torch.ones(1, T, dtype=torch.bool))
-        want = head.draft_lm_head(f[0])
+    want = head.draft_lm_head(_falcon_k1_outputs(head, base, ids))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     plain = export(_save(heads.build({"type": "falcon", "block_size": 1, "glancing": {"enabled": False}}, base), base,
                          tmp_path / "full", identity), "eagle1", tmp_path / "out_full")
