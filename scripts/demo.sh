@@ -53,7 +53,7 @@ done
 # gets the same labels= so training and evaluation find the cache data prep wrote.
 DEMO=(labels=teacher_forced)
 START=$(date +%s)
-echo "demo: data prep -> train the CTC head (150 steps) -> lossless evaluation; expected about ${DEMO_MINUTES:-10} minutes" \
+echo "demo: data prep -> train the CTC head (150 steps) -> lossless evaluation; expected about ${DEMO_MINUTES:-12} minutes" \
   "on 2 CPU cores, plus set-up and the base model's one-time conversion (docs/demo.md)"
 "$PY" -m data_prep "${DEMO[@]}" "$@"
 "$PY" -m train heads=ctc train.run_name="$RUN" resume=auto \
@@ -71,6 +71,6 @@ cat <<EOF_NEXT
 The summary above: parity (speculative output = vanilla greedy, token for token), tau (tokens per
 base forward) and the speedup against vanilla decoding in the same run. A 150-step head is a smoke
 test, not a drafter: the heads trained at budget and their tau are in docs/results.md.
-Next: train another head (python -m train heads=falcon_k1), evaluate it on MT-bench
+Next: train another head on this cache (python -m train heads=falcon_k1 labels=teacher_forced), evaluate it on MT-bench
 (docs/evaluation.md), or run the comparison (bash scripts/compare.sh --dry-run).
 EOF_NEXT
