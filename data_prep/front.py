@@ -72,6 +72,31 @@ def split_of(conversation_id: str, data_cfg) -> str:
     return "val" if is_heldout(cid, float(data_cfg.heldout_fraction), str(data_cfg.split_salt)) else "train"
 
 
+class Splitter:
+    """:func:`split_of` over one pass of the sources, with the root-id guard: under
+    ``data.split_key=root`` a root that gathers more than ``MAX_PARTS_PER_ROOT`` conversations of one
+    source is refused (:class:`data_prep.split.RootCounter`).  Every reader of the split — data prep's
+    :func:`read_split`, online training's :func:`iter_templated` and the evaluation's
+    :func:`heldout_prompts` — goes through one, so they agree on what they accept.
+
+    Raises (from ``__call__``):
+        UserInputError: an invalid ``data.split_key``, or a root id gathering too many conversations
+            (source, root, first and last id named, and the fix ``data.split_key=id``).
+    """
+
+    def __init__(self, data_cfg) -> None:
+        self.data_cfg = data_cfg
+        self._roots = RootCounter() if str(data_cfg.get("split_key", "root")) == "root" else None
+
+    def __call__(self, source: str, conversation_id: str) -> str:
+        if self._roots is not None:
+            try:
+                self._roots.add(source, conversation_id)
+            except ValueError as exc:
+                raise UserInputError(str(exc)) from None
+        return split_of(conversation_id, self.data_cfg)
+
+
 def _first_drop(stats: ReadStats) -> str:
     if not stats.examples:
         return ""
@@ -86,19 +111,14 @@ def read_split(data_cfg) -> SplitConversations:
         UserInputError: a source cannot be read, or a source read to its end yielded no usable
             conversation (named, with its drop counts and first offending record), or under
             ``data.split_key=root`` one root id gathers more than ``MAX_PARTS_PER_ROOT`` conversations
-            (:class:`data_prep.split.RootCounter`) — raised before anything is written.
+            (:class:`Splitter`) — raised before anything is written.
     """
     out = SplitConversations(sources=source_specs(data_cfg))
     limit = data_cfg.get("max_conversations")
     exhausted = set(range(len(out.sources)))
-    roots = RootCounter() if str(data_cfg.get("split_key", "root")) == "root" else None
+    split = Splitter(data_cfg)
     for k, conv in mix(out.sources):
-        if roots is not None:
-            try:
-                roots.add(out.sources[k].name, conv.id)
-            except ValueError as exc:
-                raise UserInputError(str(exc)) from None
-        getattr(out, split_of(conv.id, data_cfg)).append(conv)
+        getattr(out, split(out.sources[k].name, conv.id)).append(conv)
         if limit is not None and len(out.train) + len(out.val) >= int(limit):
             exhausted = {j for j, s in enumerate(out.sources) if s.stats.finished}
             break
@@ -157,18 +177,23 @@ def iter_templated(data_cfg, tokenizer, eos_ids: Iterable[int], split: str = "tr
 
     Reads the sources lazily (``data.max_conversations`` caps the conversations read over both
     splits, as in :func:`read_split`); ``stats`` collects the counts.
+
+    Raises:
+        UserInputError: as :func:`read_split` for the split key and root ids (:class:`Splitter`), when
+            the reading reaches the offending conversation.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; choices: {SPLITS}")
     stats = stats if stats is not None else ReadStats()
     specs = source_specs(data_cfg)
     limit = data_cfg.get("max_conversations")
+    split_by_id = Splitter(data_cfg)
 
     def convs() -> Iterator[Conversation]:
         n = 0
-        for _, conv in mix(specs):
+        for k, conv in mix(specs):
             n += 1
-            if split_of(conv.id, data_cfg) == split:
+            if split_by_id(specs[k].name, conv.id) == split:
                 yield conv
             if limit is not None and n >= int(limit):
                 break
@@ -187,10 +212,15 @@ def heldout_prompts(data_cfg, limit: int | None = None) -> Iterator[tuple[str, l
     Args:
         data_cfg: the ``data`` config section.
         limit: stop after this many prompts (``None`` = all).
+
+    Raises:
+        UserInputError: as :func:`read_split` for the split key and root ids (:class:`Splitter`).
     """
     n = 0
-    for _, conv in mix(source_specs(data_cfg)):
-        if split_of(conv.id, data_cfg) != "val":
+    specs = source_specs(data_cfg)
+    split = Splitter(data_cfg)
+    for k, conv in mix(specs):
+        if split(specs[k].name, conv.id) != "val":
             continue
         first_user = next(i for i, m in enumerate(conv.messages) if m["role"] == "user")
         yield conv.id, conv.messages[: first_user + 1]

@@ -36,20 +36,19 @@ class RootCounter:
     """
 
     def __init__(self) -> None:
-        self._counts: dict[tuple[str, str], int] = {}
-        self._first: dict[tuple[str, str], str] = {}
+        self._seen: dict[tuple[str, str], tuple[int, str]] = {}  # (source, root) -> (count, first id)
 
     def add(self, source: str, conversation_id: str) -> None:
         root = root_id(conversation_id)
         if root == conversation_id:
             return
         key = (source, root)
-        n = self._counts.get(key, 0) + 1
-        self._counts[key] = n
-        self._first.setdefault(key, conversation_id)
+        n, first = self._seen.get(key, (0, conversation_id))
+        n += 1
+        self._seen[key] = (n, first)
         if n > MAX_PARTS_PER_ROOT:
             raise ValueError(
-                f"{source}: {n} conversations share the root id {root!r} ({self._first[key]!r} ... {conversation_id!r}) "
+                f"{source}: {n} conversations share the root id {root!r} ({first!r} ... {conversation_id!r}) "
                 f"under data.split_key=root, so they would all land on one side of the held-out split. Root ids join "
                 f"the parts <root>_<k> of one ShareGPT conversation (at most {MAX_PARTS_PER_ROOT}); these look like "
                 f"enumerated ids: set data.split_key=id")

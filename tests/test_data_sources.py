@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from core.config import UserInputError, compose
-from data_prep.front import read_split, split_of
+from data_prep.front import heldout_prompts, iter_templated, read_split, split_of
 from data_prep.split import root_id
 
 
@@ -118,6 +118,14 @@ def test_enumerated_ids_under_one_root_are_refused_until_split_key_is_id(tmp_pat
     with pytest.raises(UserInputError, match=rf"identity\.jsonl: {n} conversations share the root id 'identity' "
                                              r"\('identity_0' \.\.\. 'identity_256'\).*set data.split_key=id"):
         read_split(_data_cfg("data.heldout_fraction=0.3", f"data.path={enumerated}"))
+    # every reader of the split refuses them alike: online training's stream (of the side the root is not
+    # on, so nothing reaches the tokenizer) and the held-out prompts
+    other = "train" if split_of("identity_0", _data_cfg("data.heldout_fraction=0.3")) == "val" else "val"
+    for read in (lambda cfg: list(iter_templated(cfg, None, [], split=other)), lambda cfg: list(heldout_prompts(cfg))):
+        with pytest.raises(UserInputError, match=r"share the root id 'identity'.*set data.split_key=id"):
+            read(_data_cfg("data.heldout_fraction=0.3", f"data.path={enumerated}"))
+    assert len(list(heldout_prompts(_data_cfg("data.heldout_fraction=0.3", f"data.path={enumerated}",
+                                              "data.split_key=id")))) > 0
     data = read_split(_data_cfg("data.heldout_fraction=0.3", f"data.path={enumerated}", "data.split_key=id"))
     assert len(data.train) + len(data.val) == n and data.train and data.val  # both sides, as ids hash apart
     parts = tmp_path / "parts.jsonl"
