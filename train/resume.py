@@ -481,7 +481,8 @@ def _draft_vocab_difference(saved, current) -> str | None:
             f"counts (first {only_current[:5]})")
 
 
-def check_resume_data(ckpt_path: str | Path, head, identity: dict[str, dict[str, Any]]) -> None:
+def check_resume_data(checkpoint: dict[str, Any], ckpt_path: str | Path, head,
+                      identity: dict[str, dict[str, Any]]) -> None:
     """Refuse a resume whose checkpoint was trained on other data than this launch would use.
 
     A checkpoint restores the draft vocabulary ``d2t`` / ``t2d``, the data position (batch indices
@@ -495,14 +496,18 @@ def check_resume_data(ckpt_path: str | Path, head, identity: dict[str, dict[str,
     written by :class:`train.module.DraftHeadModule`; checkpoints made before it carry none) and the
     checkpoint's ``head.d2t`` against the draft vocabulary ``head`` selected now.
 
+    Args:
+        checkpoint: the loaded checkpoint (``SafetensorsCheckpointIO().load_checkpoint(ckpt_path)``).
+        ckpt_path: where it was loaded from, for the message.
+        head: this launch's draft head (its ``d2t`` when it has a draft vocabulary).
+        identity: this launch's :func:`data_identity`.
+
     Raises:
         UserInputError: names each differing split (manifest SHA-256, record counts, source) and the
             draft-vocabulary difference (token ids on either side only).
     """
     from core.config import UserInputError
-    from train.checkpoint_io import SafetensorsCheckpointIO
 
-    checkpoint = SafetensorsCheckpointIO().load_checkpoint(ckpt_path)
     problems = []
     saved = checkpoint.get("data_identity") or {}
     for split in sorted(set(saved) & set(identity)):
@@ -532,7 +537,7 @@ def saved_world_size(checkpoint: dict[str, Any]) -> int:
     return len(per_rank) if per_rank else 1
 
 
-def check_resume_world_size(ckpt_path: str | Path, world_size: int) -> None:
+def check_resume_world_size(checkpoint: dict[str, Any], ckpt_path: str | Path, world_size: int) -> None:
     """Refuse a resume on another number of ranks than the checkpoint was written on.
 
     ``train.devices`` and ``train.num_nodes`` may change between launches (8 devices on one node
@@ -544,16 +549,16 @@ def check_resume_world_size(ckpt_path: str | Path, world_size: int) -> None:
     belong to W as well; ZeRO's optimizer partitions too (:mod:`train.zero_checkpoint`).
 
     Args:
-        ckpt_path: the Lightning checkpoint the launch would resume from.
+        checkpoint: the loaded Lightning checkpoint the launch would resume from.
+        ckpt_path: where it was loaded from, for the message.
         world_size: this launch's ranks (``train.devices`` x ``train.num_nodes``, resolved).
 
     Raises:
         UserInputError: the two differ; names both, before anything is written.
     """
     from core.config import UserInputError
-    from train.checkpoint_io import SafetensorsCheckpointIO
 
-    saved = saved_world_size(SafetensorsCheckpointIO().load_checkpoint(ckpt_path))
+    saved = saved_world_size(checkpoint)
     if saved != int(world_size):
         raise UserInputError(
             f"resume from {ckpt_path} refused: it was written by {saved} rank(s) and this launch has {world_size} "

@@ -288,18 +288,19 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         check_online_config(cfg, model, module.head)
     else:
         check_cache_layers(module.head, datamodule)
-    from train.resume import check_resume_data, data_identity
+    from train.resume import check_resume_data, check_resume_world_size, data_identity
 
     module.data_identity = data_identity(datamodule)
-    if ckpt_path:  # a checkpoint of other data (a rebuilt cache) is refused before anything is written
-        check_resume_data(ckpt_path, module.head, module.data_identity)
-    resume_step = _checkpoint_step(ckpt_path) if ckpt_path else None
+    # read once for the checks below; Lightning loads it again to restore the run
+    resume_from = SafetensorsCheckpointIO().load_checkpoint(ckpt_path) if ckpt_path else None
+    if resume_from is not None:  # a checkpoint of other data (a rebuilt cache) is refused before anything is written
+        check_resume_data(resume_from, ckpt_path, module.head, module.data_identity)
+    resume_step = int(resume_from.get("global_step", 0)) if resume_from is not None else None
     # its loggers and callbacks write lazily
     trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks, resume_step=resume_step)
-    if ckpt_path:  # so is one written on another number of ranks
-        from train.resume import check_resume_world_size
-
-        check_resume_world_size(ckpt_path, trainer.world_size)
+    if resume_from is not None:  # so is one written on another number of ranks
+        check_resume_world_size(resume_from, ckpt_path, trainer.world_size)
+    del resume_from
     run_dir.mkdir(parents=True, exist_ok=True)  # validated first, so a refused run leaves no directory
     if resume_step is None or not (run_dir / "config.yaml").is_file():
         save_config(cfg, run_dir)
@@ -413,11 +414,6 @@ def resolve_run_precision(cfg: DictConfig, resumed_run: Path | None, online: boo
              f"{cache_dir}")
         values["labels"] = cache_def.labels
     return with_values(cfg, values), cache_def
-
-
-def _checkpoint_step(path: str | os.PathLike) -> int:
-    """``global_step`` recorded in a Lightning checkpoint written by this project (metadata only)."""
-    return int(SafetensorsCheckpointIO().load_checkpoint(path).get("global_step", 0))
 
 
 def draft_vocab_source(heads_cfg: DictConfig, datamodule, vocab_size: int) -> dict[str, Any]:
