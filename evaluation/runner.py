@@ -40,7 +40,7 @@ from evaluation.probe import ProbeTallies
 from evaluation.prompts import load_prompts
 from evaluation.report import build_report
 from evaluation.status import plan_phases, run_status, skipped_turn
-from evaluation.summary import summary_markdown, summary_row
+from evaluation.summary import resume_hint, summary_markdown, summary_row
 from evaluation.turns import follow_up_prompt, length_bound, turns_to_run
 
 log = logging.getLogger(__name__)
@@ -154,9 +154,8 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         if finish is not None and not state.get("written"):
             try:
                 out_dir = finish(error=exc)
-                log.error("evaluation stopped (%s: %s); the %d prompt turn(s) decoded are reported in %s; "
-                          "run again with resume=auto to continue", type(exc).__name__, exc, state.get("decoded", 0),
-                          out_dir)
+                log.error("evaluation stopped (%s: %s); the %d prompt turn(s) decoded are reported in %s; %s",
+                          type(exc).__name__, exc, state.get("decoded", 0), out_dir, resume_hint(out_dir))
             except Exception as inner:  # noqa: BLE001 — never mask the original failure
                 log.error("could not write the partial report: %s: %s", type(inner).__name__, inner)
         raise
@@ -439,7 +438,7 @@ def _write_outputs(out_dir, methods, acc, identity, device, model, ev, done, ski
     else:
         result = {"variants": reports, "output_dir": str(out_dir)}
     atomic_write_json(out_dir / "summary.json", {"vanilla": vanilla, "variants": rows})
-    atomic_write_text(out_dir / "summary.md", summary_markdown(rows))
+    atomic_write_text(out_dir / "summary.md", summary_markdown(rows, str(out_dir)))
     state["written"] = True
     if not raise_on_mismatch:
         return out_dir

@@ -11,6 +11,7 @@ Exit status: 0, or 2 on an input error (the message names the directory).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -102,7 +103,7 @@ def tree_text(tree: dict[str, Any] | None) -> str:
     return f"{tree.get('mode')}: {tree.get('nodes')} node{'s' if tree.get('nodes') != 1 else ''}{depth}"
 
 
-def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
+def summary_markdown(rows: Sequence[dict[str, Any]], output_dir: str | None = None) -> str:
     """A markdown document: the main table (one row per variant/head: training seconds and steps
     when the rows carry ``train_seconds`` / ``train_steps``, prompts, τ, acceptance at
     depth 1/2/3, base forwards per token, drafter time share, speedup mean ± std, tree, parity per
@@ -111,6 +112,7 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
     Args:
         rows: :func:`summary_row` dicts (``variant`` may be None: one method).
+        output_dir: the evaluation's ``eval.output_dir``, named in the resume hint of an incomplete row.
     """
     trained = any(r.get("train_steps") is not None for r in rows)  # rows of scripts/compare.py
     timed = any("timing_tau" in r for r in rows)  # speed from a separate timing run
@@ -143,7 +145,7 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
                      + " | ".join(_f(a) for a in acc[:3])
                      + f" | {_f(r.get('base_forwards_per_token'), '{:.3f}')} | {trees}{_f(r.get('drafter_time_share'))} | "
                        f"{speedup_text(r)} | " + ("" if timed else f"{tree_text(tree)} | ") + f"{parity} |")
-    lines += status_lines(rows)
+    lines += status_lines(rows, output_dir)
     lines += fastest_vanilla_lines(rows)
     exits = [r for r in rows if (r.get("decoder_summary") or {}).get("early_exit_rate") is not None]
     if exits:  # layer-skipping heads (AdaDecode) have no τ: their early exits, as decoded in the τ runs
@@ -172,15 +174,23 @@ def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def status_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """Markdown lines under the main table: an incomplete run (where it stopped, why, how to go on),
-    the skipped prompts and turns with their reasons, and each row's time per phase."""
+def resume_hint(output_dir: str | os.PathLike | None) -> str:
+    """How to continue an interrupted evaluation.  The default ``eval.output_dir`` carries the launch
+    time, so the hint names the folder: ``resume=auto`` alone would start a new one."""
+    where = f"eval.output_dir={output_dir}" if output_dir is not None else "the same eval.output_dir"
+    return f"run the same command again with {where} resume=auto to continue"
+
+
+def status_lines(rows: Sequence[dict[str, Any]], output_dir: str | os.PathLike | None = None) -> list[str]:
+    """Markdown lines under the main table: an incomplete run (where it stopped, why, how to go on:
+    :func:`resume_hint` naming ``output_dir``), the skipped prompts and turns with their reasons, and
+    each row's time per phase."""
     out: list[str] = []
     for r in rows:
         name = r.get("variant") or r.get("head_type") or "-"
         if r.get("complete") is False:
             out += ["", f"**{name}: incomplete** — stopped at {r.get('stopped_at') or '-'} ({r.get('error')}); "
-                        f"{r.get('pending_prompts', 0)} prompt(s) not reached; run again with `resume=auto` to continue."]
+                        f"{r.get('pending_prompts', 0)} prompt(s) not reached; {resume_hint(output_dir)}."]
     for r in rows:
         tree = r.get("tree") or {}
         if tree.get("nodes") == 1:  # the root alone verifies no draft: say so, and what the head gives at the probe

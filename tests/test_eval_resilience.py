@@ -142,7 +142,9 @@ def test_a_failure_in_the_middle_reports_what_was_decoded_and_resume_finishes(ti
     assert [r["id"] for r in part["per_prompt"]] == ["1", "1/turn2", "1/turn3"]
     assert part["stopped_at"] == "2" and part["pending_prompts"] == ["2", "3"]
     assert part["parity"]["total"] == 3 and part["parity"]["matched"] == 3
+    # the default output folder carries the launch time: the hint names this one, or resume=auto starts anew
     assert "incomplete" in (out / "summary.md").read_text()
+    assert f"again with eval.output_dir={out} resume=auto" in (out / "summary.md").read_text()
     resumed = _FailsOn(model, 0, exc)
     rep = run_evaluation(_cfg(tiny_model_dir, out, *argv, "resume=auto"), base=tiny_base, decoder=resumed)
     assert rep["complete"] and rep["parity"]["matched"] == rep["parity"]["total"] == 7
