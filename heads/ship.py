@@ -6,7 +6,8 @@ the fp32 checkpoint); integer tensors (the draft vocabulary ``d2t``) are copied 
 ``config.json`` gains ``extra.stored_dtype`` and ``extra.shipped_from`` (the source directory and
 the SHA-256 of its ``model.safetensors``).  With ``--run``, the run's training record
 (``record.json``: tokens seen, every validation's τ; ``val_curve.png``) and its resolved
-``config.yaml`` are copied next to the weights; with ``--cache``, the cache's identity (each split's
+``config.yaml`` (with the labels and features the checkpoint records it trained on,
+:func:`trained_config_yaml`) are copied next to the weights; with ``--cache``, the cache's identity (each split's
 manifest SHA-256, conversations, tokens) goes into ``config.json``: the head documents its own training.
 
 The result loads like any checkpoint (``checkpoint=OUT``; :func:`heads.registry.load` casts the
@@ -46,6 +47,22 @@ def cache_identity(cache_dir: str | Path) -> dict:
     if not out["splits"]:
         raise FileNotFoundError(f"--cache {cache_dir}: no train/ or val/ manifest.json")
     return out
+
+
+def trained_config_yaml(config_yaml: str, features: dict | None) -> str:
+    """The run's ``config.yaml`` with what an offline head trained on: ``labels``, ``prep.layers`` and
+    ``prep.dtype`` from the checkpoint's ``extra.features`` (:func:`data_prep.features.config_values`).
+    Runs recorded before the run recorded its cache's values carry data prep's defaults there; the
+    shipped file says what the weights were trained on.  Unchanged for online features or no record."""
+    from omegaconf import OmegaConf
+
+    from core.precision import with_values
+    from data_prep.features import config_values
+
+    if not features or features.get("source", "offline") != "offline":
+        return config_yaml
+    cfg = OmegaConf.create(config_yaml)
+    return OmegaConf.to_yaml(with_values(cfg, config_values(features)))
 
 
 def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_dir: str | Path | None = None,
@@ -99,7 +116,10 @@ def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_d
     for name in RUN_FILES if run_dir is not None else ():
         path = Path(run_dir) / name
         if path.is_file():
-            atomic_write_bytes(out / name, path.read_bytes())
+            data = path.read_bytes()
+            if name == "config.yaml":
+                data = trained_config_yaml(data.decode("utf-8"), meta["extra"].get("features")).encode("utf-8")
+            atomic_write_bytes(out / name, data)
     return out
 
 

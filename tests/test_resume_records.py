@@ -218,10 +218,12 @@ def test_cli_destroys_the_process_group_after_training_and_after_preemption(monk
     assert exc.value.code == 128 + 15 and calls == ["shutdown", "shutdown"]
 
 
-def test_offline_run_records_its_caches_labels_and_older_records_still_resume(tiny_model_dir, tmp_path):
-    """An offline run trains on its cache's labels: config.yaml records the cache's (teacher_forced
-    here), not data prep's default (regenerate); a run recorded with the default before this still
-    resumes (the cache itself is checked by its data identity)."""
+def test_offline_run_records_its_caches_labels_and_features_and_older_records_still_resume(tiny_model_dir,
+                                                                                            tmp_path):
+    """An offline run trains on its cache's labels and features: config.yaml records the cache's
+    (teacher_forced, layer 1, float32 here), not data prep's defaults (regenerate, no layers,
+    bfloat16); a run recorded with the defaults before this still resumes (the cache itself is checked
+    by its data identity)."""
     import json
 
     from omegaconf import OmegaConf
@@ -229,10 +231,13 @@ def test_offline_run_records_its_caches_labels_and_older_records_still_resume(ti
     from data_prep.synthetic import write_random_cache
     from train.run import main
 
-    cache = write_random_cache(tmp_path / "cache", tiny_model_dir, n_train=8, n_val=4, length_range=(6, 14))
+    cache = write_random_cache(tmp_path / "cache", tiny_model_dir, n_train=8, n_val=4, length_range=(6, 14),
+                               layers=(1,))
     for split in ("train", "val"):
         f = cache / split / "manifest.json"
-        f.write_text(json.dumps({**json.loads(f.read_text()), "labels": "teacher_forced"}))
+        features = {"compute_dtype": "float32", "attn_implementation": "eager", "final_layer": 4, "layers": [1],
+                    "storage_dtype": "float32", "labels": "teacher_forced"}  # as data prep records them
+        f.write_text(json.dumps({**json.loads(f.read_text()), "labels": "teacher_forced", "features": features}))
     args = [f"model.path={tiny_model_dir}", "model.dtype=float32", "heads=ctc", "heads.attn_implementation=eager",
             "train.logger=csv", "train.progress_bar=false", "train.sanity_val_steps=0", f"output_root={tmp_path}",
             f"train.cache_dir={cache}", "train.run_name=r", "train.accelerator=cpu", "train.devices=1",
@@ -242,7 +247,11 @@ def test_offline_run_records_its_caches_labels_and_older_records_still_resume(ti
     run_dir = tmp_path / "runs" / "ctc" / "r"
     recorded = OmegaConf.load(run_dir / "config.yaml")
     assert recorded.labels == "teacher_forced"
-    recorded.labels = "regenerate"  # as runs recorded before the cache's labels were
+    assert list(recorded.prep.layers) == [1] and recorded.prep.dtype == "float32"
+    defaults = OmegaConf.load(Path(__file__).parents[1] / "configs" / "prep" / "default.yaml")
+    assert list(defaults.layers) == [] and defaults.dtype == "bfloat16"
+    # as runs recorded before the cache's labels and features were
+    recorded.labels, recorded.prep.layers, recorded.prep.dtype = "regenerate", [], "bfloat16"
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(recorded))
     main([*args, "train.max_steps=2", "resume=auto"])  # was refused: "labels: 'regenerate' -> 'teacher_forced'"
     assert sorted(p.name for p in (run_dir / "launches").glob("*.yaml")) == ["1.yaml"]

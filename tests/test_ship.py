@@ -10,6 +10,8 @@ import torch
 from safetensors import safe_open
 
 import heads
+from omegaconf import OmegaConf
+
 from core.config import compose
 from heads.ship import main, ship
 
@@ -20,9 +22,12 @@ def checkpoint(tiny_base, tiny_model_dir, tmp_path):
     torch.manual_seed(0)
     counts = torch.randint(0, 1000, (tiny_base[0].config.vocab_size,), generator=torch.Generator().manual_seed(1))
     head = heads.build(cfg.heads, tiny_base[0], label_counts=counts, counts_source="test")
-    ckpt = heads.save(head, tmp_path / "best", tiny_base[2].to_dict(), {"step": 7})
+    features = {"source": "offline", "labels": "teacher_forced", "layers": [3, 1], "storage_dtype": "float8_e4m3fn",
+                "compute_dtype": "float32", "attn_implementation": "eager", "final_layer": 4}
+    ckpt = heads.save(head, tmp_path / "best", tiny_base[2].to_dict(), {"step": 7, "features": features})
     run = tmp_path / "run"
     run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))  # data prep's defaults, as older runs recorded
     (run / "record.json").write_text(json.dumps({"validations": [{"step": 7, "metrics": {"sim_tau": 1.5}}]}))
     return head, ckpt, run
 
@@ -52,6 +57,11 @@ def test_ship_casts_weights_keeps_d2t_and_loads(checkpoint, tiny_base, tmp_path)
     assert train["records"] == 3 and train["tokens"] == 99 and train["config_hash"] == "abc"
     assert len(train["manifest_sha256"]) == 64 and "val" not in meta["extra"]["cache"]["splits"]
     assert json.loads((out / "record.json").read_text())["validations"][0]["metrics"]["sim_tau"] == 1.5
+    # the shipped config.yaml says what the weights trained on (the checkpoint's features), not the defaults
+    assert (cfg := OmegaConf.load(run / "config.yaml")).labels == "regenerate" and list(cfg.prep.layers) == []
+    shipped = OmegaConf.load(out / "config.yaml")
+    assert shipped.labels == "teacher_forced" and list(shipped.prep.layers) == [1, 3]
+    assert shipped.prep.dtype == "float8_e4m3fn" and shipped.heads.draft_vocab_size == 64
     loaded, _ = heads.load(out, base_model=tiny_base[0])
     ref = {k: v.to(torch.bfloat16).float() for k, v in head.trainable_state_dict().items() if v.is_floating_point()}
     for k, v in loaded.trainable_state_dict().items():

@@ -367,12 +367,17 @@ def changed_run_keys(recorded: dict[str, Any], current: dict[str, Any]) -> dict[
             if not _may_change(k) and a.get(k, missing) != b.get(k, missing)}
 
 
-def _default_labels() -> str:
-    """Data prep's default ``labels`` (configs/config.yaml), which offline runs recorded before they
-    recorded their cache's."""
-    from core.config import compose
+def _data_prep_defaults() -> dict[str, Any]:
+    """Data prep's defaults (configs/config.yaml) of the keys an offline run records from its cache
+    (:data:`data_prep.features.CONFIG_KEYS`), which runs recorded before they recorded the cache's."""
+    from omegaconf import OmegaConf
 
-    return str(compose([]).get("labels"))
+    from core.config import compose
+    from data_prep.features import CONFIG_KEYS
+
+    cfg = compose([])
+    return {k: OmegaConf.to_container(v) if OmegaConf.is_config(v := OmegaConf.select(cfg, k)) else v
+            for k in CONFIG_KEYS}
 
 
 def check_resume_config(cfg: Any, run_dir: str | Path) -> None:
@@ -397,12 +402,16 @@ def check_resume_config(cfg: Any, run_dir: str | Path) -> None:
     if recorded.get("train", {}).get("precision") == "auto":
         # recorded before auto was resolved: train.run.resolve_run_precision gives it its old meaning
         recorded["train"]["precision"] = current.get("train", {}).get("precision")
-    if (str(current.get("train", {}).get("features", "offline")) == "offline" and "labels" in current
-            and recorded.get("labels") == _default_labels()):
-        # offline, the cache's labels train (train.run.resolve_run_precision); runs recorded before that
-        # carry data prep's default here (and the cache itself is checked by check_resume_data).  Any
-        # other recorded value is the labels the run trained on, which must not change
-        recorded["labels"] = current["labels"]
+    if str(current.get("train", {}).get("features", "offline")) == "offline":
+        # offline, the cache's labels and features train (train.run.resolve_run_precision); runs recorded
+        # before that carry data prep's defaults here (and the cache itself is checked by
+        # check_resume_data).  Any other recorded value is what the run trained on and must not change
+        for key, default in _data_prep_defaults().items():
+            section, _, name = key.rpartition(".")
+            old_part = recorded.get(section, {}) if section else recorded
+            new_part = current.get(section, {}) if section else current
+            if name in new_part and old_part.get(name) == default:
+                old_part[name] = new_part[name]
     changed = changed_run_keys(recorded, current)
     if changed:
         shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changed.items())[:8])

@@ -362,8 +362,10 @@ def resolve_run_precision(cfg: DictConfig, resumed_run: Path | None, online: boo
       ``auto`` for the training device (a GPU: bf16); offline, the base never runs, and ``auto``
       takes the cache's recorded compute dtype, while an explicit value that differs from it is
       refused with the difference (:func:`data_prep.features.check_same_features`).
-    * ``labels`` (offline): the cache's recorded labels (``teacher_forced`` | ``regenerate``), which
-      are what the run trains on whatever the config's data-prep default says.
+    * ``labels``, ``prep.layers``, ``prep.dtype`` (offline): the cache's recorded labels
+      (``teacher_forced`` | ``regenerate``), cached intermediate layers and storage dtype, which are
+      what the run trains on whatever the config's data-prep defaults say (a cache given by
+      ``train.cache_dir`` need not match them).
     * A resumed run (``resumed_run`` holds its ``config.yaml``) keeps the values it recorded; a run
       recorded before ``auto`` was resolved (``train.precision: auto``) keeps the old meaning
       (``bf16-mixed`` on GPUs, ``32-true`` on CPUs).
@@ -408,11 +410,14 @@ def resolve_run_precision(cfg: DictConfig, resumed_run: Path | None, online: boo
         dtype = was if was != "auto" else dtype
     dtype = resolve_dtype(dtype, "model.dtype", "cuda" if online and accel == "gpu" else "cpu")
     values = {"train.precision": precision, "model.dtype": dtype}
-    if cache_def is not None and cache_def.labels and str(cfg.get("labels")) != cache_def.labels:
-        # offline, the cache's labels are what trains: record them, not data prep's default
-        note(f"labels={cfg.get('labels')} -> {cache_def.labels}: an offline run trains on the labels of its cache "
-             f"{cache_dir}")
-        values["labels"] = cache_def.labels
+    if cache_def is not None:  # offline, the cache's labels and features are what trains: record them
+        from data_prep.features import config_values
+
+        for key, value in config_values(cache_def.to_dict()).items():
+            asked = OmegaConf.select(cfg, key)
+            if (sorted(int(l) for l in asked) if key == "prep.layers" else str(asked)) != value:
+                note(f"{key}={asked} -> {value}: an offline run trains on the {key} of its cache {cache_dir}")
+                values[key] = value
     return with_values(cfg, values), cache_def
 
 
