@@ -255,6 +255,17 @@ def to_container(cfg: DictConfig | ListConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
+def flatten_dotted(obj, prefix: str = "") -> dict:
+    """``{"a.b.c": value}`` for a nested dict (a resolved config container); an empty nested dict
+    stays a value (``{"a.b": {}}``), lists are values."""
+    if isinstance(obj, dict):
+        out: dict = {}
+        for k, v in obj.items():
+            out.update(flatten_dotted(v, f"{prefix}{k}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: obj}
+
+
 def config_hash(cfg: DictConfig, keys: Sequence[str]) -> str:
     """SHA-256 (hex) over the resolved sub-configs ``keys`` (dotted), e.g. the cache-defining ones."""
     return sha256_json({k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True)

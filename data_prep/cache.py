@@ -87,6 +87,50 @@ def default_cache_dir(cfg) -> Path:
     return Path(cfg.output_root) / "cache" / cache_hash(cfg)[:16]
 
 
+def missing_cache_message(cfg, cache_dir: str | os.PathLike) -> str:
+    """Why a launch found no cache at ``cache_dir`` (:func:`default_cache_dir`) and what to do.
+
+    The default cache's name is the hash of :func:`cache_defining_config`, so a launch whose overrides
+    differ from data prep's in any cache-defining key looks for another folder.  The message names
+    the keys this launch sets away from the defaults and, for every cache under
+    ``<output_root>/cache/`` (its recorded ``config.yaml``), the keys where it differs from this
+    launch and whether it is complete, then the two ways out: data prep with the same overrides, or
+    ``train.cache_dir=<a cache>``."""
+    from omegaconf import OmegaConf
+
+    from core.config import compose, flatten_dotted
+
+    missing = "<absent>"
+    here = flatten_dotted(cache_defining_config(cfg))
+    out = [f"no cache at {cache_dir} (no train/manifest.json)."]
+    if cfg.prep.get("cache_dir"):
+        out.append(f"It is this launch's prep.cache_dir; run data prep with prep.cache_dir={cache_dir} first.")
+    else:
+        defaults = flatten_dotted(cache_defining_config(compose([])))
+        own = [f"{k}={here[k]}" for k in sorted(here) if defaults.get(k, missing) != here[k]]
+        runtime = ", ".join(f"{g}.{k}" for g, keys in RUNTIME_KEYS.items() for k in keys)
+        out.append(f"Its name is the hash of every model.*, data.*, prep.* key and labels (not {runtime}); "
+                   f"this launch sets {', '.join(own) if own else 'none of them away from the defaults'}.")
+    found = []
+    for path in sorted((Path(str(cfg.output_root)) / "cache").glob("*/config.yaml")):
+        if path.parent.resolve() == Path(cache_dir).resolve():
+            continue
+        try:
+            theirs = flatten_dotted(cache_defining_config(OmegaConf.load(path)))
+        except Exception:  # noqa: BLE001 — a hand-made or old config.yaml: not a hint
+            continue
+        diff = [f"{k}={theirs.get(k, missing)} (here {here.get(k, missing)})" for k in sorted(set(here) | set(theirs))
+                if theirs.get(k, missing) != here.get(k, missing)]
+        state = "complete" if (path.parent / "train" / "manifest.json").is_file() else "incomplete"
+        found.append(f"{path.parent} ({state}): {'; '.join(diff[:6]) or 'the same settings'}"
+                     f"{f' and {len(diff) - 6} more' if len(diff) > 6 else ''}")
+    if found:
+        out.append("Caches under " + str(Path(str(cfg.output_root)) / "cache") + ": " + " | ".join(found) + ".")
+    out.append("Run data prep with this launch's model/data/prep/labels overrides (python -m data_prep ...), "
+               "or pass train.cache_dir=<a cache> to train on one of them.")
+    return " ".join(out)
+
+
 def rank_world(env: Mapping[str, str] | None = None) -> tuple[int, int]:
     """``(rank, world_size)`` from torchrun (``RANK``/``WORLD_SIZE``) or SLURM
     (``SLURM_PROCID``/``SLURM_NTASKS``); ``(0, 1)`` when neither is set.

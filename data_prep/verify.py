@@ -211,7 +211,7 @@ def rebuild_command(cache_root: str | os.PathLike) -> str | None:
     """
     from omegaconf import OmegaConf
 
-    from core.config import compose
+    from core.config import compose, flatten_dotted
     from data_prep.cache import cache_defining_config, cache_hash
 
     root = Path(cache_root)
@@ -225,8 +225,8 @@ def rebuild_command(cache_root: str | os.PathLike) -> str | None:
         choices = dict(recorded.get("choices") or {})
         argv = [f"{g}={choices[g]}" for g in ("model", "data", "prep")
                 if g in choices and str(choices[g]) != str(defaults.choices.get(g))]
-        base = _flatten(cache_defining_config(compose(argv)))
-        for key, value in _flatten(cache_defining_config(recorded)).items():
+        base = flatten_dotted(cache_defining_config(compose(argv)))
+        for key, value in flatten_dotted(cache_defining_config(recorded)).items():
             if key not in base or base[key] != value:
                 argv.append(f"{key}={_dotlist_value(value)}")
         argv.append(f"prep.cache_dir={root}")
@@ -235,15 +235,6 @@ def rebuild_command(cache_root: str | os.PathLike) -> str | None:
     except Exception:  # an old or hand-made config: fall back to the general instruction
         return None
     return "python -m data_prep " + " ".join(shlex.quote(a) for a in argv)
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict) and obj:
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: obj}
 
 
 def _dotlist_value(value: Any) -> str:

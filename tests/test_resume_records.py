@@ -276,3 +276,31 @@ def test_recorded_labels_other_than_the_old_default_must_not_change(tmp_path):
         check_resume_config(compose(["labels=regenerate"]), run)
     (run / "config.yaml").write_text(OmegaConf.to_yaml(compose(["labels=regenerate"])))
     check_resume_config(compose(["labels=teacher_forced"]), run)  # an older record: the default gives way
+
+
+def test_a_missing_cache_names_the_settings_of_its_hash_and_the_caches_that_exist(tiny_model_dir, tmp_path, capsys):
+    """The default cache folder is the hash of the cache-defining settings: a launch whose labels or
+    data settings differ from data prep's looks elsewhere.  The error names the keys this launch
+    sets, each cache under <output_root>/cache with the keys where it differs and whether it is
+    complete, and the two ways out; nothing is written."""
+    from core.config import compose, save_config
+    from data_prep.cache import default_cache_dir
+    from train.run import main
+
+    common = [f"model.path={tiny_model_dir}", f"output_root={tmp_path}"]
+    made = default_cache_dir(compose([*common, "labels=teacher_forced", "data.max_length=64"]))
+    save_config(compose([*common, "labels=teacher_forced", "data.max_length=64"]), made)
+    (made / "train").mkdir()
+    (made / "train" / "manifest.json").write_text("{}")
+    args = [*common, "heads=ctc", "labels=regenerate", "data.max_length=64", "train.run_name=r",
+            "train.accelerator=cpu", "train.devices=1"]
+    wanted = default_cache_dir(compose(args))
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    msg = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and msg.startswith(f"error: no cache at {wanted} (no train/manifest.json).")
+    # labels=regenerate is data prep's default, so not listed as set
+    assert f"this launch sets data.max_length=64, model.path={tiny_model_dir}." in msg
+    assert f"{made} (complete): labels=teacher_forced (here regenerate)." in msg
+    assert "train.cache_dir=<a cache>" in msg
+    assert not (tmp_path / "runs").exists()

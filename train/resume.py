@@ -342,15 +342,6 @@ MAY_CHANGE_ON_RESUME = (
 ADDED_KEYS_NEUTRAL = {"train.val_schedule": "steps", "train.val_first_tokens": 32768, "train.val_factor": 2.0}
 
 
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out if out or not prefix else {prefix[:-1]: {}}
-    return {prefix[:-1]: obj}
-
-
 def _may_change(key: str) -> bool:
     return any(key == p or (p.endswith(".*") and key.startswith(p[:-1])) for p in MAY_CHANGE_ON_RESUME)
 
@@ -358,7 +349,9 @@ def _may_change(key: str) -> bool:
 def changed_run_keys(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (recorded value, new value)}`` for every key that defines the run and differs
     (a key present on one side only counts, as ``<absent>``); keys in :data:`MAY_CHANGE_ON_RESUME` are ignored."""
-    a, b = _flatten(recorded), _flatten(current)
+    from core.config import flatten_dotted
+
+    a, b = flatten_dotted(recorded), flatten_dotted(current)
     missing = "<absent>"
     for k, neutral in ADDED_KEYS_NEUTRAL.items():  # a run recorded before the key existed
         if k not in a and b.get(k, missing) == neutral:

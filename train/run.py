@@ -488,11 +488,13 @@ def refuse_existing_run(run_dir: Path) -> None:
 
 
 def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> CacheDataModule:
-    from data_prep.cache import default_cache_dir
+    from data_prep.cache import default_cache_dir, missing_cache_message
 
     from train.data import open_split
 
     cache_dir = Path(cfg.train.cache_dir) if cfg.train.cache_dir else default_cache_dir(cfg)
+    if not cfg.train.cache_dir and not (cache_dir / "train" / "manifest.json").is_file():
+        raise UserInputError(missing_cache_message(cfg, cache_dir))
     readers = {split: open_split(cache_dir, split) for split in ("train", "val")}
     empty = [split for split, reader in readers.items() if len(reader) == 0]
     if empty:
