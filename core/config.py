@@ -255,6 +255,26 @@ def to_container(cfg: DictConfig | ListConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
+#: the config keys an offline run trains on from its cache whatever data prep's defaults say, with the
+#: field of the cache's feature definition (``data_prep.features.FeatureDefinition``) each comes from
+FEATURE_CONFIG_KEYS = {"labels": "labels", "prep.layers": "layers", "prep.dtype": "storage_dtype"}
+
+
+def feature_config_values(features: dict) -> dict:
+    """The :data:`FEATURE_CONFIG_KEYS` values a recorded feature definition stands for
+    (``data_prep.features.FeatureDefinition.to_dict()``, or a checkpoint's ``extra.features``):
+    ``{"labels": str, "prep.layers": sorted ids, "prep.dtype": str}``; a field the record lacks (or
+    leaves empty, as caches made before it was recorded do) is left out."""
+    out: dict = {}
+    for key, field in FEATURE_CONFIG_KEYS.items():
+        value = features.get(field)
+        if field == "layers" and value is not None:
+            out[key] = sorted(int(l) for l in value)
+        elif value:
+            out[key] = str(value)
+    return out
+
+
 def flatten_dotted(obj, prefix: str = "") -> dict:
     """``{"a.b.c": value}`` for a nested dict (a resolved config container); an empty nested dict
     stays a value (``{"a.b": {}}``), lists are values."""

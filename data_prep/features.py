@@ -30,26 +30,6 @@ import torch
 #: fields compared between a cache and an offline training run (the base forward's settings)
 COMPUTE_FIELDS = ("compute_dtype",)
 
-#: the config keys an offline run trains on from its cache whatever data prep's defaults say, with the
-#: definition's field each comes from (:func:`config_values`)
-CONFIG_KEYS = {"labels": "labels", "prep.layers": "layers", "prep.dtype": "storage_dtype"}
-
-
-def config_values(features: dict[str, Any]) -> dict[str, Any]:
-    """The :data:`CONFIG_KEYS` values a recorded definition (:meth:`FeatureDefinition.to_dict`, or a
-    checkpoint's ``extra.features``) stands for: ``{"labels": str, "prep.layers": sorted ids,
-    "prep.dtype": str}``; a field the record lacks (or leaves empty, as caches made before it was
-    recorded do) is left out."""
-    out: dict[str, Any] = {}
-    for key, field in CONFIG_KEYS.items():
-        value = features.get(field)
-        if field == "layers" and value is not None:
-            out[key] = sorted(int(l) for l in value)
-        elif value:
-            out[key] = str(value)
-    return out
-
-
 @dataclass(frozen=True)
 class FeatureDefinition:
     """What decides a feature's value (module doc).  ``compute_dtype`` is None only for a cache made

@@ -51,18 +51,18 @@ def cache_identity(cache_dir: str | Path) -> dict:
 
 def trained_config_yaml(config_yaml: str, features: dict | None) -> str:
     """The run's ``config.yaml`` with what an offline head trained on: ``labels``, ``prep.layers`` and
-    ``prep.dtype`` from the checkpoint's ``extra.features`` (:func:`data_prep.features.config_values`).
+    ``prep.dtype`` from the checkpoint's ``extra.features`` (:func:`core.config.feature_config_values`).
     Runs recorded before the run recorded its cache's values carry data prep's defaults there; the
     shipped file says what the weights were trained on.  Unchanged for online features or no record."""
     from omegaconf import OmegaConf
 
     from core.precision import with_values
-    from data_prep.features import config_values
+    from core.config import feature_config_values
 
     if not features or features.get("source", "offline") != "offline":
         return config_yaml
     cfg = OmegaConf.create(config_yaml)
-    return OmegaConf.to_yaml(with_values(cfg, config_values(features)))
+    return OmegaConf.to_yaml(with_values(cfg, feature_config_values(features)))
 
 
 def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_dir: str | Path | None = None,

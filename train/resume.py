@@ -362,15 +362,15 @@ def changed_run_keys(recorded: dict[str, Any], current: dict[str, Any]) -> dict[
 
 def _data_prep_defaults() -> dict[str, Any]:
     """Data prep's defaults (configs/config.yaml) of the keys an offline run records from its cache
-    (:data:`data_prep.features.CONFIG_KEYS`), which runs recorded before they recorded the cache's."""
+    (:data:`core.config.FEATURE_CONFIG_KEYS`), which runs recorded before they recorded the cache's."""
     from omegaconf import OmegaConf
 
     from core.config import compose
-    from data_prep.features import CONFIG_KEYS
+    from core.config import FEATURE_CONFIG_KEYS
 
     cfg = compose([])
     return {k: OmegaConf.to_container(v) if OmegaConf.is_config(v := OmegaConf.select(cfg, k)) else v
-            for k in CONFIG_KEYS}
+            for k in FEATURE_CONFIG_KEYS}
 
 
 def check_resume_config(cfg: Any, run_dir: str | Path) -> None:

@@ -411,9 +411,9 @@ def resolve_run_precision(cfg: DictConfig, resumed_run: Path | None, online: boo
     dtype = resolve_dtype(dtype, "model.dtype", "cuda" if online and accel == "gpu" else "cpu")
     values = {"train.precision": precision, "model.dtype": dtype}
     if cache_def is not None:  # offline, the cache's labels and features are what trains: record them
-        from data_prep.features import config_values
+        from core.config import feature_config_values
 
-        for key, value in config_values(cache_def.to_dict()).items():
+        for key, value in feature_config_values(cache_def.to_dict()).items():
             asked = OmegaConf.select(cfg, key)
             if (sorted(int(l) for l in asked) if key == "prep.layers" else str(asked)) != value:
                 note(f"{key}={asked} -> {value}: an offline run trains on the {key} of its cache {cache_dir}")
