@@ -27,7 +27,10 @@ Normalisation rules (issues 15, 28): every change to a kept record is counted un
 * consecutive turns of one role are merged into one turn, joined by a blank line
   (``merged_consecutive_roles``), so templates that enforce user/assistant alternation
   (Llama-2, Mistral) accept the record;
-* turns after the last assistant turn are dropped (``trailing_turns_dropped``: they carry no loss).
+* turns after the last assistant turn are dropped (``trailing_turns_dropped``: they carry no loss);
+* a lone UTF-16 surrogate (``"\\ud83d"`` in the JSON: half of an emoji cut by a scraper; no tokenizer
+  can encode it, and a UTF-8 file cannot hold it) becomes U+FFFD, as undecodable bytes do
+  (``lone_surrogates_replaced``).  JSON's escaped surrogate *pairs* are whole characters already.
 
 Templating adds its own (:mod:`data_prep.front`): ``split_by_template`` and ``turns_dropped_<reason>``.
 """
@@ -37,6 +40,7 @@ import codecs
 import contextlib
 import json
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,6 +317,16 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encodi
     stats.finished = True
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def replace_lone_surrogates(text: str) -> tuple[str, int]:
+    """``(text with every lone UTF-16 surrogate replaced by U+FFFD, how many)``.  ``json.loads`` joins an
+    escaped high/low pair into one character, so whatever surrogate is left in a ``str`` is half of
+    one, which UTF-8 (and every tokenizer) refuses."""
+    return _LONE_SURROGATE.subn("\ufffd", text)
+
+
 def _text(value: Any) -> str | None:
     """A turn's text: a string, or an OpenAI content list of ``{"type": "text", "text"}`` parts."""
     if isinstance(value, str):
@@ -323,17 +337,20 @@ def _text(value: Any) -> str | None:
     return None
 
 
-def record_id(record: Any, index: int) -> str:
-    """The record's id (``id``, else ``conversation_id`` / ``prompt_id``), else ``record-<index>``."""
+def record_id(record: Any, index: int, id_prefix: str = "record-") -> str:
+    """The record's id (``id``, else ``conversation_id`` / ``prompt_id``), else ``<id_prefix><index>``
+    (``record-<index>``; a mixture's sources get ``record-<source>-`` so that id-less records of two
+    sources never share an id, :func:`data_prep.sources.source_specs`)."""
     if isinstance(record, dict):
         for key in ("id", "conversation_id", "prompt_id"):
             rid = record.get(key)
             if rid is not None and str(rid) != "":
                 return str(rid)
-    return f"record-{index}"
+    return f"{id_prefix}{index}"
 
 
-def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None = None) -> Conversation | Drop:
+def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None = None,
+              id_prefix: str = "record-") -> Conversation | Drop:
     """Validate and normalise one ShareGPT or ``messages`` record (rules in the module doc).
 
     Args:
@@ -342,6 +359,7 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         fmt: one of :data:`FORMATS`.
         fixed: optional counter of the normalisation rules applied (module doc), updated only
             for kept records (also listed, with a message, in the result's ``fixes``).
+        id_prefix: the id of a record without one is ``<id_prefix><index>`` (:func:`record_id`).
 
     Returns:
         a :class:`Conversation` (roles mapped by :data:`ROLE_MAP`), or a :class:`Drop` whose value
@@ -370,6 +388,9 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
             fixes.setdefault(f"role_mapped_{raw_role.strip()}_to_{role}", f"turn {t}: role {raw_role!r} read as {role!r}")
         if not isinstance(turn.get(text_key), str):
             fixes.setdefault("text_parts_joined", f"turn {t}: {len(turn[text_key])} text parts joined")
+        text, halves = replace_lone_surrogates(text)
+        if halves:
+            fixes.setdefault("lone_surrogates_replaced", f"turn {t}: {halves} lone UTF-16 surrogate(s) read as U+FFFD")
         messages.append({"role": role, "content": text})
     if any(m["role"] == "system" for m in messages[1:]):
         return Drop("misplaced_system", "a system turn that is not the first turn")
@@ -396,16 +417,18 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         fixes["trailing_turns_dropped"] = f"{len(merged) - last_assistant - 1} turn(s) after the last assistant turn dropped"
     if fixed is not None:
         fixed.update(fixes.keys())
-    return Conversation(id=record_id(record, index), messages=messages[:first] + merged[: last_assistant + 1],
+    return Conversation(id=record_id(record, index, id_prefix), messages=messages[:first] + merged[: last_assistant + 1],
                         fixes=sorted(fixes.items()))
 
 
-def normalize_records(records, stats: ReadStats, fmt: str = "auto") -> Iterator[Conversation]:
-    """Normalise a stream of records (any source); count drops, examples and fixes in ``stats``."""
+def normalize_records(records, stats: ReadStats, fmt: str = "auto", id_prefix: str = "record-"
+                      ) -> Iterator[Conversation]:
+    """Normalise a stream of records (any source); count drops, examples and fixes in ``stats``.
+    A record without an id gets ``<id_prefix><index>``."""
     for i, rec in enumerate(records):
-        out = normalize(rec, i, fmt)
+        out = normalize(rec, i, fmt, id_prefix=id_prefix)
         if isinstance(out, Drop):
-            stats.drop(out, record_id(rec, i))
+            stats.drop(out, record_id(rec, i, id_prefix))
         else:
             stats.kept += 1
             for rule, message in out.fixes:

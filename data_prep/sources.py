@@ -50,6 +50,8 @@ class SourceSpec:
     reader: str = "auto"
     weight: float = 1.0
     max: int | None = None
+    #: ids of records without one: ``<id_prefix><index>`` (``record-<k>-`` for source k of a mixture)
+    id_prefix: str = "record-"
     stats: ReadStats = field(default_factory=ReadStats)
     taken: int = 0
 
@@ -81,7 +83,7 @@ def source_specs(data_cfg) -> list[SourceSpec]:
         if not raw:
             raise UserInputError("data.sources is an empty list; give at least one {path: ...} or set it to null")
     specs = []
-    for w, entry in zip(where, raw):
+    for k, (w, entry) in enumerate(zip(where, raw)):
         entry = dict(entry) if hasattr(entry, "items") else {"path": entry}
         unknown = sorted(set(entry) - set(_SOURCE_KEYS))
         if unknown:
@@ -91,7 +93,8 @@ def source_specs(data_cfg) -> list[SourceSpec]:
                           format=str(opts.get("format", "auto")), split=str(opts.get("split", "train")),
                           streaming=bool(opts.get("streaming", False)), encoding=str(opts.get("encoding", "utf-8")),
                           reader=str(opts.get("reader", "auto")), weight=float(opts.get("weight", 1.0)),
-                          max=None if opts.get("max") is None else int(opts["max"]))
+                          max=None if opts.get("max") is None else int(opts["max"]),
+                          id_prefix=f"record-{k}-" if len(raw) > 1 else "record-")
         if spec.format not in FORMATS:
             raise UserInputError(f"{w}.format={spec.format!r} is not valid; choices: {', '.join(FORMATS)}")
         if spec.reader not in READERS:
@@ -165,13 +168,14 @@ def iter_source(spec: SourceSpec) -> Iterator[Conversation]:
             raise UserInputError(f"data.encoding={spec.encoding!r} is not a known text encoding") from None
         try:
             with resolve_path(spec.path) as p:
-                yield from normalize_records(iter_records(p, spec.stats, spec.encoding), spec.stats, spec.format)
+                yield from normalize_records(iter_records(p, spec.stats, spec.encoding), spec.stats, spec.format,
+                                             spec.id_prefix)
         except FileNotFoundError as exc:
             raise UserInputError(str(exc)) from None
     else:
         if spec.path is None:
             raise UserInputError("data.reader=datasets needs data.path")
-        yield from normalize_records(_datasets_rows(spec), spec.stats, spec.format)
+        yield from normalize_records(_datasets_rows(spec), spec.stats, spec.format, spec.id_prefix)
 
 
 def mix(specs: list[SourceSpec]) -> Iterator[tuple[int, Conversation]]:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from data_prep.sharegpt import replace_lone_surrogates
+
 AUTO_FIELDS = ("turns", "prompt", "instruction", "question", "text", "messages")
 ID_FIELDS = ("question_id", "id", "prompt_id", "conversation_id")
 
@@ -80,6 +82,20 @@ def _messages_from_record(rec: Any, field: str | None, where: str) -> list[dict[
     return [{"role": "user", "content": value}]
 
 
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where (``turns[1]``, ``messages[0].content``) the first string of a decoded JSON value holding a
+    lone UTF-16 surrogate is, else None."""
+    if isinstance(value, str):
+        return (path or "the record") if replace_lone_surrogates(value)[1] else None
+    if isinstance(value, dict):
+        children = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        children = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    return next((found for where, v in children if (found := _lone_surrogate(v, where))), None)
+
+
 def read_jsonl_prompts(path: str | Path, field: str | None = None, limit: int | None = None
                        ) -> list[tuple[str, list[dict[str, str]]]]:
     """Read ``(id, messages)`` from a JSONL file (one JSON object per non-blank line).
@@ -101,12 +117,15 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
 
     Raises:
         PromptError: the file is missing or a line is not valid / has no prompt / has an empty
-            follow-up turn or a non-string category (names the line).
+            follow-up turn or a non-string category / holds a lone UTF-16 surrogate (``"\\ud83d"``:
+            half of a character, which no tokenizer encodes) / repeats an earlier line's id (results
+            are kept per id); names the line.
     """
     path = Path(path)
     if not path.is_file():
         raise PromptError(f"eval.prompts={str(path)!r}: file not found")
-    out = []
+    out: list[dict[str, Any]] = []
+    lines: dict[str, int] = {}  # id -> its line
     try:
         raw = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -120,7 +139,15 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
             raise PromptError(f"{where}: invalid JSON ({exc.msg})") from None
+        half = _lone_surrogate(rec)
+        if half:
+            raise PromptError(f"{where}: {half} holds a lone UTF-16 surrogate (an escaped \\ud800-\\udfff without "
+                              "its other half: a character cut in two), which no tokenizer can encode; fix the text")
         pid = next((str(rec[k]) for k in ID_FIELDS if isinstance(rec, dict) and k in rec), f"line{lineno}")
+        if pid in lines:
+            raise PromptError(f"{where}: id {pid!r} is also the id of line {lines[pid]}; prompt ids must be unique "
+                              "(each prompt's results and resume are kept by id)")
+        lines[pid] = lineno
         msgs = _messages_from_record(rec, field, where)
         cat = rec.get("category")
         if cat is not None and not isinstance(cat, str):
@@ -154,6 +181,9 @@ def load_prompts(eval_cfg, data_cfg, tokenizer) -> tuple[list[Prompt], list[dict
         ``(prompts, skipped)``: usable prompts ``prompt_offset .. prompt_offset + num_prompts − 1``
         (after skipping over-long ones); ``skipped`` lists ``{"id", "prompt_tokens", "reason"}`` for
         prompts longer than ``max_prompt_tokens``.
+
+    Raises:
+        PromptError: as :func:`read_jsonl_records`; two prompts share an id; no usable prompt.
     """
     limit = eval_cfg.get("num_prompts")
     offset = int(eval_cfg.get("prompt_offset") or 0)
@@ -169,8 +199,13 @@ def load_prompts(eval_cfg, data_cfg, tokenizer) -> tuple[list[Prompt], list[dict
     per_cat = eval_cfg.get("prompts_per_category")
     taken: dict[str | None, int] = {}
     prompts, skipped = [], []
+    seen: set[str] = set()
     for rec in raw:
         pid, messages = rec["id"], rec["messages"]
+        if pid in seen:  # a JSONL file is checked line by line as it is read; a mixture's sources here
+            raise PromptError(f"{source}: two prompts have the id {pid!r} (two sources holding the same ids?); "
+                              "prompt ids must be unique (each prompt's results and resume are kept by id)")
+        seen.add(pid)
         if per_cat is not None and taken.get(rec["category"], 0) >= int(per_cat):
             continue
         ids = template(tokenizer, messages)

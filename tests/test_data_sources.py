@@ -146,3 +146,19 @@ def test_python_m_data_prep_runs_on_a_parquet_file_or_a_saved_dataset(written, k
     readers = [CacheReader(Path(summary["cache_dir"]) / split) for split in ("train", "val")]
     assert sorted(r[i]["id"] for r in readers for i in range(len(r))) == [f"m{i}" for i in range(5)]
     assert readers[0].manifest["data_sources"][0]["path"] == str(written[kind])
+
+
+def test_id_less_records_of_a_mixture_get_ids_unique_across_sources(tmp_path):
+    """A record without an id is named by its position; two id-less sources both had ``record-0`` ...,
+    so their held-out prompts collided in the evaluation (results are kept per id).  In a mixture the
+    generated id names the source (``record-<source>-<index>``); one source keeps ``record-<index>``."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path, tag in ((a, "a"), (b, "b")):
+        rows = [{k: v for k, v in _sharegpt(i, prefix=tag).items() if k != "id"} for i in range(4)]
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    mixed = _ids(read_split(_data_cfg(f"data.sources=[{{path: {a}}}, {{path: {b}}}]")))
+    assert sorted(mixed) == sorted([f"record-0-{i}" for i in range(4)] + [f"record-1-{i}" for i in range(4)])
+    assert sorted(_ids(read_split(_data_cfg(f"data.path={a}")))) == [f"record-{i}" for i in range(4)]
+    prompts = [pid for pid, _ in heldout_prompts(_data_cfg(f"data.sources=[{{path: {a}}}, {{path: {b}}}]",
+                                                           "data.heldout_fraction=1.0"))]
+    assert len(prompts) == len(set(prompts)) == 8

@@ -59,6 +59,16 @@ def test_bad_prompt_files_name_the_line(tmp_path):
         read_jsonl_prompts(bad)
     bad.write_text('{"turns": ["line\u2028separator"]}\n', encoding="utf-8")
     assert read_jsonl_prompts(bad)[0][1][0]["content"] == "line\u2028separator"
+    # half of a surrogate pair cannot be tokenized: named with its field, before the base loads
+    bad.write_text('{"turns": ["ok"]}\n{"turns": ["fine", "cut \\ud83d"]}\n')
+    with pytest.raises(PromptError, match=r"bad.jsonl:2: turns\[1\] holds a lone UTF-16 surrogate"):
+        read_jsonl_prompts(bad)
+    bad.write_text('{"turns": ["a \\ud83d\\ude00"]}\n')  # a whole pair is one character
+    assert read_jsonl_prompts(bad)[0][1][0]["content"] == "a \U0001F600"
+    # results and resume are kept per id: a repeated id is refused by line, not found mid-run
+    bad.write_text('{"id": "q1", "turns": ["a"]}\n{"id": "q2", "turns": ["b"]}\n{"id": "q1", "turns": ["c"]}\n')
+    with pytest.raises(PromptError, match=r"bad.jsonl:3: id 'q1' is also the id of line 1"):
+        read_jsonl_prompts(bad)
 
 
 def test_cli_oracle_report(tiny_model_dir, tmp_path, prompts_file, capsys):

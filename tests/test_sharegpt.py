@@ -152,3 +152,27 @@ def test_messages_format_and_non_utf8_bytes_are_counted(tmp_path):
     stats = ReadStats()
     convs = list(iter_conversations(path, stats, encoding="latin-1"))
     assert convs[0].messages[1]["content"] == "caf\u00e9" and stats.replaced_bytes == 0
+
+
+def test_a_lone_surrogate_becomes_u_fffd_counted_and_the_record_templates(tmp_path):
+    """An escaped half of a surrogate pair ("\\ud83d": an emoji cut by a scraper) is a str no tokenizer
+    encodes (the Rust tokenizers raise TypeError) and UTF-8 cannot hold: it is read as U+FFFD and
+    counted, as undecodable bytes are, and data prep's templating goes through.  An escaped *pair* is
+    one character and stays."""
+    from core.tiny import tiny_tokenizer
+    from data_prep.template import end_of_turn_ids, segment_records
+
+    recs = [{"id": "cut", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "Sure \ud83d!"}]},
+            {"id": "pair", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "ok \U0001F600"}]}]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(recs))  # ensure_ascii: "\ud83d" and "\ud83d\ude00" escapes
+    assert "\\ud83d!" in path.read_text() and "\\ud83d\\ude00" in path.read_text()
+    stats = ReadStats()
+    cut, pair = list(iter_conversations(path, stats))
+    assert cut.messages[1]["content"] == "Sure \ufffd!" and pair.messages[1]["content"] == "ok \U0001F600"
+    assert stats.fixed["lone_surrogates_replaced"] == 1 and stats.fix_examples["lone_surrogates_replaced"]["id"] == "cut"
+    tok = tiny_tokenizer()
+    with pytest.raises(TypeError):  # what every record with one did to data prep before
+        tok("Sure \ud83d!")
+    for conv in (cut, pair):
+        assert segment_records(tok, conv.messages, conv.id, set(end_of_turn_ids(tok)), 512)
