@@ -123,7 +123,9 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
     """
     path = Path(path)
     if not path.is_file():
-        raise PromptError(f"eval.prompts={str(path)!r}: file not found")
+        raise PromptError(f"eval.prompts={str(path)!r}: file not found (MT-bench's is FastChat's "
+                          "fastchat/llm_judge/data/mt_bench/question.jsonl, docs/glossary.md; "
+                          "leave eval.prompts unset for held-out ShareGPT first turns)")
     out: list[dict[str, Any]] = []
     lines: dict[str, int] = {}  # id -> its line
     try:
@@ -166,7 +168,8 @@ def template(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long)
 
 
-def load_prompts(eval_cfg, data_cfg, tokenizer) -> tuple[list[Prompt], list[dict[str, Any]]]:
+def load_prompts(eval_cfg, data_cfg, tokenizer, records: list[dict[str, Any]] | None = None
+                 ) -> tuple[list[Prompt], list[dict[str, Any]]]:
     """The evaluation prompts, templated.
 
     Args:
@@ -176,6 +179,8 @@ def load_prompts(eval_cfg, data_cfg, tokenizer) -> tuple[list[Prompt], list[dict
         data_cfg: the ``data`` section (ShareGPT path and held-out split) used when
             ``eval.prompts`` is null.
         tokenizer: the base tokenizer (with a chat template).
+        records: ``eval.prompts``'s :func:`read_jsonl_records`, when the caller read them already
+            (the evaluation does, before the base loads, so a bad file costs no model load).
 
     Returns:
         ``(prompts, skipped)``: usable prompts ``prompt_offset .. prompt_offset + num_prompts − 1``
@@ -188,7 +193,7 @@ def load_prompts(eval_cfg, data_cfg, tokenizer) -> tuple[list[Prompt], list[dict
     limit = eval_cfg.get("num_prompts")
     offset = int(eval_cfg.get("prompt_offset") or 0)
     if eval_cfg.get("prompts"):
-        raw = read_jsonl_records(eval_cfg.prompts, eval_cfg.get("prompt_field"))
+        raw = records if records is not None else read_jsonl_records(eval_cfg.prompts, eval_cfg.get("prompt_field"))
         source = str(eval_cfg.prompts)
     else:
         from data_prep.pipeline import heldout_prompts

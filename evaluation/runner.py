@@ -37,7 +37,7 @@ from evaluation.methods import (build_decoder, checkpoint_label, prepacked_produ
 from evaluation.plots import plot
 from evaluation.progress import Progress, absolute_paths, progress_fingerprint, prompt_digest
 from evaluation.probe import ProbeTallies
-from evaluation.prompts import load_prompts
+from evaluation.prompts import load_prompts, read_jsonl_records
 from evaluation.report import build_report
 from evaluation.status import plan_phases, run_status, skipped_turn
 from evaluation.summary import resume_hint, summary_markdown, summary_row
@@ -204,6 +204,8 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     variants = variant_configs(cfg)
     if decoder is not None and variants[0][0] is not None:
         raise ValueError("run_evaluation(decoder=...) takes no eval.variants")
+    # a prompt file is read (and refused, by line) before the base loads
+    records = read_jsonl_records(ev.prompts, ev.get("prompt_field")) if ev.get("prompts") else None
     if base is None:
         from core.base_model import load_base_model
 
@@ -239,7 +241,7 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
             return sample_generate(model, ids, n, eos_ids, temperature, sampler)
         return greedy_generate(model, ids, n, eos_ids)
 
-    prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, tokenizer)
+    prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, tokenizer, records)
     turns = ev.get("turns", 1)
     for p in prompts:  # before anything is written: prompt + eval.max_new_tokens must fit the context
         check_context_limit(model, int(p.input_ids.numel()), int(ev.max_new_tokens), what=f"eval prompt {p.id!r}: ",

@@ -403,3 +403,22 @@ def test_merge_with_report_checks_shard_configs_before_writing(tmp_path, capsys)
     assert not (tmp_path / "out" / "progress.jsonl").exists()
     assert merge_main(["--no-report", str(tmp_path / "out"), str(d)]) == 0
     assert (tmp_path / "out" / "progress.jsonl").is_file()
+
+
+def test_a_bad_prompt_file_is_refused_before_the_base_loads(tmp_path, capsys, monkeypatch):
+    """The prompt file is read before the base model: a missing or bad file costs no model load, and
+    the missing file's error says where MT-bench's questions come from."""
+    import core.base_model
+
+    def no_load(*a, **k):
+        raise AssertionError("the base loaded before the prompt file was read")
+
+    monkeypatch.setattr(core.base_model, "load_base_model", no_load)
+    rc = main(["checkpoint=oracle", f"eval.prompts={tmp_path / 'missing.jsonl'}", f"eval.output_dir={tmp_path / 'o'}"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "file not found" in err and "fastchat/llm_judge/data/mt_bench/question.jsonl" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "turns": ["x"]}\n{"id": "a", "turns": ["y"]}\n')
+    rc = main(["checkpoint=oracle", f"eval.prompts={bad}", f"eval.output_dir={tmp_path / 'o'}"])
+    assert rc != 0 and "bad.jsonl:2: id 'a' is also the id of line 1" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
