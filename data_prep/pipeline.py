@@ -169,6 +169,24 @@ def non_finite_reason(record: dict, storage: torch.dtype | None = None) -> tuple
     return None
 
 
+def check_max_length(model, max_length: int) -> None:
+    """Refuse ``data.max_length`` beyond the base's context (``max_position_embeddings``,
+    :func:`decoding.vanilla.context_limit`): features and labels at positions the base was never
+    trained on are not what it computes at inference, where the evaluation refuses such prompts
+    (:func:`decoding.vanilla.check_context_limit`).  Checked before anything is written.
+
+    Raises:
+        UserInputError: names both values.
+    """
+    from decoding.vanilla import context_limit
+
+    limit = context_limit(model)
+    if limit is not None and int(max_length) > limit:
+        raise UserInputError(f"data.max_length={int(max_length)} exceeds the base model's context "
+                             f"(max_position_embeddings={limit}): its hidden states and labels past position {limit} "
+                             f"are not what it computes at inference; set data.max_length<={limit}")
+
+
 def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, labels_mode: str, max_length: int,
                   max_new_tokens: int | None, layers: Sequence[int], final_layer: int, batch_tokens: int,
                   gen_batch_size: int, progress: _Progress | None = None, storage: torch.dtype | None = None,
@@ -322,6 +340,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         from core.base_model import load_base_model
 
         model, tokenizer, identity = load_base_model(cfg.model)
+    check_max_length(model, max_length)
     L = int(model.config.num_hidden_layers)
     layers = sorted({int(l) for l in cfg.prep.layers})
     if any(l >= L or l < 1 for l in layers):

@@ -283,6 +283,10 @@ def test_prepared_cache_is_never_overwritten_by_other_settings(tiny_base, tiny_m
         prepare(other, *tiny_base, out=None)
     with pytest.raises(UserInputError, match=r"prep.layers=\[9\]: intermediate layer ids must lie in \[1, L=4\)"):
         prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={cache}", "prep.layers=[9]"), *tiny_base, out=None)
+    # positions past the base's context are not what it computes at inference (the tiny base has 2048)
+    with pytest.raises(UserInputError, match=r"data.max_length=4096 exceeds the base model's context "
+                                             r"\(max_position_embeddings=2048\).*data.max_length<=2048"):
+        prepare(_cfg(tiny_model_dir, data_file, tmp_path, "data.max_length=4096"), *tiny_base, out=None)
     assert _files(cache) | {"config.yaml": (cache / "config.yaml").read_bytes()} == before
     prepare(cfg, *tiny_base, out=None)  # the same settings resume (nothing to do)
     assert _files(cache) == {k: v for k, v in before.items() if k != "config.yaml"}

@@ -221,6 +221,8 @@ def _train_cfg(tiny_model_dir, data_file, out, *extra):
     (["train.features=online", "labels=regenerate"], "labels=regenerate needs the base's regenerated text"),
     (["train.features=hybrid", "labels=regenerate"], "python -m data_prep labels=regenerate"),
     (["train.features=online", "prep.layers=[7]"], r"not intermediate layers of the base .*L=4"),
+    (["train.features=hybrid", "data.max_length=4096"],
+     r"data.max_length=4096 exceeds the base model's context \(max_position_embeddings=2048\)"),
     (["train.features=online", "heads=adadecode", "heads.layers=[1,3]", "prep.layers=[2]"],
      r"reads hidden states hs\[1, 3\] .* prep.layers=\[1, 3\]"),
 ])

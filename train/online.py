@@ -411,12 +411,16 @@ def check_online_config(cfg, model, head) -> None:
     """Refuse an online/hybrid run that cannot produce the head's inputs, before training starts.
 
     Raises:
-        UserInputError: ``labels=regenerate`` (needs a data-prep cache); ``prep.layers`` outside
+        UserInputError: ``labels=regenerate`` (needs a data-prep cache); ``data.max_length`` beyond
+            the base's context (:func:`data_prep.pipeline.check_max_length`); ``prep.layers`` outside
             ``[1, L)`` of this base; the head reads layers not in ``prep.layers``; the head was
             built for another hidden size / vocabulary than this base.
     """
+    from data_prep.pipeline import check_max_length
+
     mode = str(cfg.train.features)
     check_labels(cfg)
+    check_max_length(model, int(cfg.data.max_length))
     L = int(model.config.num_hidden_layers)
     layers = [int(l) for l in cfg.prep.layers]
     bad = [l for l in layers if not 1 <= l < L]
