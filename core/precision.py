@@ -167,7 +167,8 @@ def note(line: str, out=None) -> None:
     print(f"draftheads: {line}", file=out or sys.stderr, flush=True)
 
 
-def resolve_dtype(value: Any, key: str, device: str | torch.device = "cpu", check: bool = True) -> str:
+def resolve_dtype(value: Any, key: str, device: str | torch.device = "cpu", check: bool = True,
+                  auto_ok: bool = True) -> str:
     """Resolve a base-compute dtype setting (``model.dtype``) for ``device``.
 
     ``auto`` -> ``bfloat16`` where bf16 is native, else ``float32`` (one line saying why);
@@ -180,6 +181,7 @@ def resolve_dtype(value: Any, key: str, device: str | torch.device = "cpu", chec
         device: where the computation runs.
         check: print the resolution's line and refuse bf16 without instructions (a stage's entry
             point); False only resolves (hashing a config, reading a recorded one).
+        auto_ok: ``key`` takes ``auto`` (the messages suggest it); False for ``eval.dtype``.
 
     Returns:
         the torch dtype name that runs.
@@ -194,7 +196,7 @@ def resolve_dtype(value: Any, key: str, device: str | torch.device = "cpu", chec
         raise ConfigError(f"{key}={value!r} is not valid; choices: {', '.join(MODEL_DTYPES)}")
     if value not in ("auto", "bfloat16"):
         return value
-    return _resolve_bf16_choice(key, value, device, "bfloat16", "float32", check)
+    return _resolve_bf16_choice(key, value, device, "bfloat16", "float32", check, auto_ok)
 
 
 def resolve_train_precision(value: Any, accelerator: str, check: bool = True) -> str:
@@ -217,7 +219,8 @@ def resolve_train_precision(value: Any, accelerator: str, check: bool = True) ->
     return _resolve_bf16_choice("train.precision", value, device, "bf16-mixed", "32-true", check)
 
 
-def _resolve_bf16_choice(key: str, value: str, device: str, native: str, fallback: str, check: bool) -> str:
+def _resolve_bf16_choice(key: str, value: str, device: str, native: str, fallback: str, check: bool,
+                         auto_ok: bool = True) -> str:
     """The rule both precision keys share: ``auto`` -> ``native`` where bf16 is native on ``device``,
     else ``fallback``, with one line saying which and why; an explicit bf16 ``value`` is refused
     where there are no bf16 instructions and runs with one warning where they are slow.
@@ -235,10 +238,12 @@ def _resolve_bf16_choice(key: str, value: str, device: str, native: str, fallbac
     if not check:
         return value
     if s.level == "none":
-        raise ConfigError(f"{key}={value} on {s.device}: {s.reason}; use {key}=auto or {fallback}")
+        use = f"{key}=auto or {fallback}" if auto_ok else f"{key}={fallback}"
+        raise ConfigError(f"{key}={value} on {s.device}: {s.reason}; use {use}")
     if s.level == "slow":
+        pick = f"{key}=auto picks {fallback} here" if auto_ok else f"{key}={fallback} is faster here"
         note(f"warning: {key}={value} on {s.device} runs, but is not expected to be faster than {fallback} "
-             f"({s.reason}); {key}=auto picks {fallback} here")
+             f"({s.reason}); {pick}")
     return value
 
 

@@ -208,6 +208,9 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     records = read_jsonl_records(ev.prompts, ev.get("prompt_field")) if ev.get("prompts") else None
     if base is None:
         from core.base_model import load_base_model
+        from core.precision import resolve_dtype
+
+        resolve_dtype(ev.dtype, "eval.dtype", device, auto_ok=False)  # bf16 without bf16 instructions: named
 
         model_cfg = to_container(cfg.model)
         model_cfg["dtype"] = ev.dtype

@@ -422,3 +422,17 @@ def test_a_bad_prompt_file_is_refused_before_the_base_loads(tmp_path, capsys, mo
     rc = main(["checkpoint=oracle", f"eval.prompts={bad}", f"eval.output_dir={tmp_path / 'o'}"])
     assert rc != 0 and "bad.jsonl:2: id 'a' is also the id of line 1" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_eval_dtype_bf16_without_bf16_instructions_is_refused_by_its_own_key(tmp_path, capsys, monkeypatch):
+    """eval.dtype is what the user set: its refusal names eval.dtype (it named model.dtype, which the
+    user never set and whose advice, model.dtype=float32, changed nothing), before the base loads."""
+    import core.base_model
+    from core import precision
+
+    monkeypatch.setenv(precision.BF16_ENV, "none")
+    monkeypatch.setattr(core.base_model, "load_base_model", lambda *a, **k: pytest.fail("the base loaded"))
+    rc = main(["checkpoint=oracle", "eval.dtype=bfloat16", f"eval.output_dir={tmp_path / 'o'}"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "error: eval.dtype=bfloat16 on cpu" in err and err.rstrip().endswith("use eval.dtype=float32")
+    assert "model.dtype" not in err
