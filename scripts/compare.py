@@ -113,7 +113,9 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise UserInputError(f"eval.{key}={v!r} must be an integer >= 1")
     if not Path(str(cfg.eval.prompts)).is_file():
-        raise UserInputError(f"eval.prompts={cfg.eval.prompts!r}: file not found")
+        raise UserInputError(f"eval.prompts={cfg.eval.prompts!r}: file not found; the comparison reports on MT-bench: "
+                             "pass eval.prompts=/path/to/question.jsonl (FastChat's "
+                             "fastchat/llm_judge/data/mt_bench/question.jsonl, docs/glossary.md)")
     # relative paths are the caller's; the stages run in the repository root
     cfg.eval.prompts = str(Path(str(cfg.eval.prompts)).resolve())
     cfg.output_dir = str(Path(str(cfg.output_dir)).resolve())
