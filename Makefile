@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.draftheads-installed
 
-.PHONY: setup demo test bench clean-venv
+.PHONY: setup demo test clean-venv
 
 setup: $(STAMP)
 

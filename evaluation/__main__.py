@@ -6,8 +6,7 @@ greedy decoding (the ids are printed), 2 on a configuration or input error.
 
 Examples::
 
-    python -m evaluation heads=ctc checkpoint=outputs/runs/ctc/r1/best \
-        eval.prompts=../shared/data/mt_bench_questions.jsonl eval.max_new_tokens=128
+    python -m evaluation heads=ctc checkpoint=outputs/runs/ctc/r1/best eval.prompts=/path/to/mt_bench_questions.jsonl
     python -m evaluation heads=falcon 'eval.variants=[{name: k2, checkpoint: A/best}, {name: k1, checkpoint: B/best}]'
     python -m evaluation heads=adadecode checkpoint=R/best 'eval.variants=[{gamma: 0.6}, {gamma: 0.85}]'
     python -m evaluation heads=ctc checkpoint=R/best eval.output_dir=outputs/eval/e1 resume=auto   # continue

@@ -201,6 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from core.io import atomic_write_text
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__.strip() + "\n\n" + USAGE)
+        return 0
     seconds, out, plot, pairs = None, None, None, []
     try:
         while args:

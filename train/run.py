@@ -525,7 +525,7 @@ def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> C
 
 
 #: ``python -m train --help`` text (train/__main__.py runs :func:`main`)
-USAGE = """``python -m train heads=<ctc|falcon|falcon_k1|eagle3|adadecode> [key=value ...]``: train a draft head on the cache.
+USAGE = """``python -m train heads=<ctc|falcon|falcon_noglance|falcon_k1|eagle3|adadecode> [key=value ...]``: train a draft head on the cache.
 
 Examples::
 
