@@ -32,18 +32,26 @@ from data_prep.front import (SPLITS, SplitConversations, TemplatedConversation, 
 from data_prep.template import end_of_turn_ids
 
 def _eos_ids_before_model(model_cfg, tokenizer) -> set[int]:
-    """End-of-turn ids from the tokenizer and the model folder's ``generation_config.json`` (no weights loaded)."""
+    """End-of-turn ids from the tokenizer and the generation config the base will load with, read
+    without its weights: the folder's ``generation_config.json``, else the one transformers derives
+    from ``config.json`` (``GenerationConfig.from_model_config``, as ``from_pretrained`` does, so a
+    config whose ``eos_token_id`` differs from the tokenizer's counts here as it does at inference).
+    Only a folder with neither file falls back to the tokenizer's eos alone."""
     from types import SimpleNamespace
 
-    gen = None
+    from transformers import AutoConfig, GenerationConfig
+
+    from core.base_model import resolve_model_dir
+
+    folder = resolve_model_dir(model_cfg)[0]
     try:
-        from transformers import GenerationConfig
-
-        from core.base_model import resolve_model_dir
-
-        gen = GenerationConfig.from_pretrained(resolve_model_dir(model_cfg)[0])
-    except Exception:  # no generation_config.json: the tokenizer's eos alone
-        gen = None
+        gen = GenerationConfig.from_pretrained(folder)
+    except OSError:  # no generation_config.json
+        try:
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=bool(model_cfg.get("trust_remote_code")))
+            gen = GenerationConfig.from_model_config(config)
+        except (OSError, ValueError):  # no readable config.json either
+            gen = None
     return end_of_turn_ids(tokenizer, SimpleNamespace(generation_config=gen))
 
 
@@ -340,6 +348,10 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         from core.base_model import load_base_model
 
         model, tokenizer, identity = load_base_model(cfg.model)
+    if end_of_turn_ids(tokenizer, model) != set(eos_front):  # the templates above ended turns with these
+        raise RuntimeError(f"end-of-turn ids read before the base loaded {sorted(eos_front)} differ from the loaded "
+                           f"base's {sorted(end_of_turn_ids(tokenizer, model))}: the records would end turns with "
+                           "other tokens than inference; please report this model folder")
     check_max_length(model, max_length)
     L = int(model.config.num_hidden_layers)
     layers = sorted({int(l) for l in cfg.prep.layers})

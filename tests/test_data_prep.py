@@ -345,3 +345,33 @@ def test_mixture_is_recorded_in_the_manifest_and_summary(tiny_base, tiny_model_d
     assert summary["conversations"] == 9 and summary["fixed"] == {
         "leading_assistant_dropped": 4, "role_mapped_gpt_to_assistant": 5, "role_mapped_human_to_user": 5}
     assert man["data_read"]["fixed"] == summary["fixed"]
+
+
+def test_end_of_turn_ids_before_the_base_loads_are_the_loaded_bases(tmp_path, data_file):
+    """``python -m data_prep`` templates before the base loads.  A folder without generation_config.json
+    whose config.json ends turns with another id than the tokenizer's eos (Qwen2.5 base and others) got
+    the tokenizer's eos alone there, while the loaded base, evaluation and online training take both:
+    the same config hash held other records with or without the base passed in.  Now both sides read
+    the generation config transformers derives from config.json, and the caches are equal."""
+    from core.base_model import load_base_model, load_tokenizer
+    from core.tiny import save_tiny_model
+    from data_prep.cache import CacheReader
+    from data_prep.template import end_of_turn_ids
+    from decoding.vanilla import eos_token_ids
+
+    folder = save_tiny_model(tmp_path / "m", seed=0)  # config.eos_token_id = 2 (<|im_end|>)
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "eos_token": "<|endoftext|>"}))
+    (folder / "generation_config.json").unlink()
+    base = load_base_model({"path": str(folder), "dtype": "float32", "attn_implementation": "eager"})
+    model, tok, _ = base
+    assert tok.eos_token_id == 0 and model.config.eos_token_id == 2
+    before = pipeline._eos_ids_before_model(_cfg(folder, data_file, tmp_path).model, load_tokenizer({"path": str(folder)}))
+    assert before == end_of_turn_ids(tok, model) == set(eos_token_ids(tok, model)) == {0, 2}
+    caches = []
+    for k, given in enumerate((None, base)):
+        cfg = _cfg(folder, data_file, tmp_path / f"o{k}", "prep.dtype=float32", f"prep.cache_dir={tmp_path / f'c{k}'}")
+        pipeline.prepare(cfg, *(given or (None, None, None)), rank=0, world=1, out=None)
+        reader = CacheReader(tmp_path / f"c{k}" / "train")
+        caches.append([reader[i]["input_ids"].tolist() for i in range(len(reader))])
+    assert caches[0] == caches[1] and caches[0]
