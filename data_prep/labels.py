@@ -224,6 +224,13 @@ class _Regenerator:
         if tok in self.eos:
             self.stats["turns"] += 1
             seg = c.segments[c.next_seg]
+            close = seg.ids[seg.header + seg.body - 1] if seg.body else None
+            if close in self.eos and tok != close:
+                # another eos of the base (<|endoftext|> where the template closes with <|im_end|>): at
+                # inference the reply stops there and the template closes the turn with its own token,
+                # which the next turn's context holds (evaluation.turns.follow_up_prompt)
+                c.ids[-1] = close
+                self.stats["turns_closed_by_template"] += 1
             footer = seg.ids[seg.header + seg.body:]
             c.ids.extend(footer)
             c.mask.extend([False] * len(footer))

@@ -101,6 +101,8 @@ def _batch1_greedy(model, segments, eos, max_new_tokens, max_length):
             body.append(t)
             if t in eos:
                 break
+        if body[-1] in eos and seg.body and seg.ids[seg.header + seg.body - 1] in eos:
+            body[-1] = seg.ids[seg.header + seg.body - 1]  # the template closes the turn with its own token
         ids, mask = prompt + body, mask + [False] * seg.header + [True] * len(body)
         if body[-1] not in eos:
             break
@@ -401,3 +403,46 @@ def test_finite_value_guard_drops_and_counts_a_regenerated_conversation(varied, 
     assert summary["regen_turns"] == turns + len(_reply_ends(outputs[poisoned[0]])) > turns
     text = pipeline.format_summary(summary)
     assert "non_finite_hidden 1" in text and f"regenerated replies: {summary['regen_turns']:,}" in text
+
+
+def test_a_reply_ended_by_another_eos_is_closed_as_the_template_closes_it():
+    """A base whose generation config has two eos ids (Qwen2.5-Instruct: <|im_end|>, <|endoftext|>) may
+    end a reply with the one the template does not close turns with.  At inference the reply stops
+    there and the template writes its own closing token before the next turn
+    (evaluation.turns.follow_up_prompt); the regenerated conversation's next turn is trained on that
+    same context, not on <|endoftext|>\\n<|im_start|>user."""
+    from core.tiny import tiny_llama, tiny_tokenizer
+    from evaluation.prompts import Prompt, template
+    from evaluation.turns import follow_up_prompt
+
+    tok = tiny_tokenizer()
+    model = tiny_llama(seed=0, vocab_size=len(tok))
+    model.config._attn_implementation = "eager"
+    model.generation_config.eos_token_id = [2, 0]  # <|im_end|> (the template's), <|endoftext|>
+    eot = end_of_turn_ids(tok, model)
+    assert eot == {0, 2} and tok.convert_ids_to_tokens(0) == "<|endoftext|>"
+    msgs = [{"role": "user", "content": "Hello! How can I help you today?"},
+            {"role": "assistant", "content": "The quick brown fox"},
+            {"role": "user", "content": "Please write a short poem about the sea."},
+            {"role": "assistant", "content": "jumps over the lazy dog."}]
+    segs = segment_conversation(tok, msgs, "c", eot, 200)
+    calls = {"n": 0}
+
+    def endoftext_at_step_5(module, inputs, out):  # the 4th generated token of turn 1 is <|endoftext|>
+        calls["n"] += 1
+        if calls["n"] == 5:
+            out = out.clone()
+            out[..., 0] = 1e4
+        return out
+
+    hook = model.lm_head.register_forward_hook(endoftext_at_step_5)
+    stats: Counter = Counter()
+    (ids, mask), = regenerate(model, tok, [segs], eot, 8, 200, stats=stats)
+    hook.remove()
+    starts = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]
+    end1 = max(k for k in range(starts[0], starts[1]) if mask[k])
+    assert ids[end1] == 2 and stats["turns_closed_by_template"] == 1  # generated 0, closed as the template does
+    first = Prompt("c", msgs[:1], template(tok, msgs[:1]), follow_ups=(msgs[2]["content"],))
+    assert first.input_ids.tolist() == ids[:starts[0]]
+    generated = ids[starts[0]:end1] + [0]  # what vanilla decoding emitted
+    assert ids[:starts[1]] == follow_up_prompt(tok, first, generated, sorted(eot)).input_ids.tolist()
