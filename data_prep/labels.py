@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from data_prep.template import Segment
+from data_prep.template import Segment, pad_token_id
 
 
 def _pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,7 +419,7 @@ def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids
         ValueError: the model has sliding-window layers narrower than ``max_length``.
     """
     _check_full_attention(model, max_length)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    pad_id = pad_token_id(tokenizer, eos_ids)
     stats = stats if stats is not None else Counter()
     convs = [_Conv(list(segs)) for segs in conversations]
     if convs:

@@ -29,7 +29,7 @@ from data_prep.features import FeatureDefinition
 from data_prep.labels import forward_features, regenerate
 from data_prep.front import (SPLITS, SplitConversations, TemplatedConversation, heldout_prompts,  # noqa: F401
                               read_split, template_split)
-from data_prep.template import end_of_turn_ids
+from data_prep.template import end_of_turn_ids, pad_token_id
 
 def _eos_ids_before_model(model_cfg, tokenizer) -> set[int]:
     """End-of-turn ids from the tokenizer and the generation config the base will load with, read
@@ -218,7 +218,7 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         first dropped conversation per guard reason: ``{reason: {"id", "layer", "position", "value"}}``.
     """
     eos = end_of_turn_ids(tokenizer, model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    pad_id = pad_token_id(tokenizer, eos)
     counts: Counter = Counter()
     if labels_mode == "regenerate":
         stats: Counter = progress.shard_stats() if progress is not None else Counter()
@@ -365,7 +365,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     root.mkdir(parents=True, exist_ok=True)
     save_config(cfg, root)
     S = int(cfg.prep.shard_size)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(tokenizer.eos_token_id)
+    pad_id = pad_token_id(tokenizer, eos_front)
     header = {
         "config_hash": chash,
         "base": identity.to_dict() if hasattr(identity, "to_dict") else dict(identity or {}),

@@ -104,6 +104,26 @@ def end_of_turn_ids(tokenizer, model=None) -> set[int]:
     return ids
 
 
+def pad_token_id(tokenizer, eos_ids=()) -> int:
+    """The id that pads a batch: the tokenizer's pad token, else its eos, else the smallest of the
+    base's end-of-turn ids ``eos_ids`` (a tokenizer with neither token, whose eos comes from
+    ``generation_config.json``).  Padded positions are masked by length everywhere, so any of these
+    gives the same features.
+
+    Raises:
+        UserInputError: none of the three exists (the tokenizer and the base name no token to pad with).
+    """
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    if eos_ids:
+        return min(int(e) for e in eos_ids)
+    from core.config import UserInputError
+
+    raise UserInputError(f"{type(tokenizer).__name__} has no pad or eos token and the base's generation config "
+                         "names no eos id: set the tokenizer's pad_token (tokenizer_config.json)")
+
+
 def _eos_text(tokenizer, eos_ids: set[int]) -> str | None:
     """The text of an end-of-turn token (the tokenizer's eos when it is one of ``eos_ids``)."""
     eid = tokenizer.eos_token_id if tokenizer.eos_token_id in eos_ids else (min(eos_ids) if eos_ids else None)

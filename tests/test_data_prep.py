@@ -183,6 +183,8 @@ def _reference_regeneration(model, segments, eos, max_new_tokens, max_length):
             body.append(t)
             if t in eos:
                 break
+        if body[-1] in eos and seg.body and seg.ids[seg.header + seg.body - 1] in eos:
+            body[-1] = seg.ids[seg.header + seg.body - 1]  # the template closes the turn with its own token
         ids = prompt + body
         mask += [False] * seg.header + [True] * len(body)
         if body[-1] not in eos:
@@ -375,3 +377,25 @@ def test_end_of_turn_ids_before_the_base_loads_are_the_loaded_bases(tmp_path, da
         reader = CacheReader(tmp_path / f"c{k}" / "train")
         caches.append([reader[i]["input_ids"].tolist() for i in range(len(reader))])
     assert caches[0] == caches[1] and caches[0]
+
+
+def test_a_tokenizer_without_pad_or_eos_pads_with_the_bases_end_of_turn_id(tmp_path, data_file):
+    """A tokenizer with neither a pad nor an eos token, whose end of turn is only in
+    generation_config.json: templating and regeneration took the generation config's eos, while the
+    cache's pad id was int(None), a TypeError.  One rule pads everywhere (pad, eos, else the base's
+    smallest end-of-turn id); with none at all the error names what to set."""
+    from types import SimpleNamespace
+
+    from core.config import UserInputError
+    from core.tiny import save_tiny_model
+    from data_prep.cache import CacheReader
+    from data_prep.template import pad_token_id
+
+    folder = save_tiny_model(tmp_path / "m", seed=0)  # generation_config.json: eos_token_id 2
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "eos_token": None, "pad_token": None}))
+    cfg = _cfg(folder, data_file, tmp_path, "prep.dtype=float32", f"prep.cache_dir={tmp_path / 'c'}")
+    pipeline.prepare(cfg, None, None, None, rank=0, world=1, out=None)
+    assert CacheReader(tmp_path / "c" / "train").manifest["pad_id"] == 2
+    with pytest.raises(UserInputError, match="no pad or eos token .* set the tokenizer's pad_token"):
+        pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None), set())

@@ -466,7 +466,9 @@ def online_datamodule(cfg, model, tokenizer, identity: dict[str, Any]):
     check_labels(cfg)
     storage_dtype(str(cfg.prep.dtype))  # fp8 without torch support: refuse now
     mode = str(cfg.train.features)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(tokenizer.eos_token_id)
+    from data_prep.template import end_of_turn_ids, pad_token_id
+
+    pad_id = pad_token_id(tokenizer, end_of_turn_ids(tokenizer, model))
     cache = None
     if mode == "hybrid":
         cache = HybridCache(hybrid_cache_dir(cfg), cfg, feature_header(cfg, model, identity, pad_id))

@@ -516,8 +516,9 @@ def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> C
 
             rank_zero_warn(f"train.allow_other_base=true: training on cache {cache_dir / split} made with another "
                            f"base ({'; '.join(differs)})")
-    pad_id = readers["train"].pad_id if hasattr(readers["train"], "pad_id") else (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    from data_prep.template import pad_token_id
+
+    pad_id = readers["train"].pad_id if hasattr(readers["train"], "pad_id") else pad_token_id(tokenizer)
     t = cfg.train
     return CacheDataModule(cache_dir, pad_id, batch_size=t.batch_size, max_tokens=t.max_tokens, seed=int(cfg.seed),
                            shuffle=bool(t.shuffle), bucket_size=int(t.bucket_size), num_workers=int(t.num_workers),
