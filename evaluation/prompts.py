@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -94,6 +94,15 @@ def _lone_surrogate(value: Any, path: str = "") -> str | None:
     else:
         return None
     return next((found for where, v in children if (found := _lone_surrogate(v, where))), None)
+
+
+def special_text(specials: Sequence[str], messages: Sequence[dict[str, str]], follow_ups: Sequence[str] = ()) -> str | None:
+    """The first special token's text (``<|im_end|>``) in a prompt's messages or later turns, else None.
+    ``apply_chat_template`` would encode it as the control token, so the prompt is not the text it
+    shows: data prep drops such turns (``special_token_text``, :mod:`data_prep.template`), and the
+    evaluation skips such prompts with that reason rather than measure heads on them."""
+    texts = [m["content"] for m in messages] + list(follow_ups)
+    return next((sp for sp in specials for t in texts if sp in t), None)
 
 
 def read_jsonl_prompts(path: str | Path, field: str | None = None, limit: int | None = None
@@ -185,7 +194,8 @@ def load_prompts(eval_cfg, data_cfg, tokenizer, records: list[dict[str, Any]] | 
     Returns:
         ``(prompts, skipped)``: usable prompts ``prompt_offset .. prompt_offset + num_prompts − 1``
         (after skipping over-long ones); ``skipped`` lists ``{"id", "prompt_tokens", "reason"}`` for
-        prompts longer than ``max_prompt_tokens``.
+        prompts longer than ``max_prompt_tokens`` and ``{"id", "reason"}`` for prompts holding a special
+        token's text (:func:`special_text`).
 
     Raises:
         PromptError: as :func:`read_jsonl_records`; two prompts share an id; no usable prompt.
@@ -204,6 +214,9 @@ def load_prompts(eval_cfg, data_cfg, tokenizer, records: list[dict[str, Any]] | 
     per_cat = eval_cfg.get("prompts_per_category")
     taken: dict[str | None, int] = {}
     prompts, skipped = [], []
+    from data_prep.template import special_token_texts
+
+    specials = special_token_texts(tokenizer)
     seen: set[str] = set()
     for rec in raw:
         pid, messages = rec["id"], rec["messages"]
@@ -212,6 +225,11 @@ def load_prompts(eval_cfg, data_cfg, tokenizer, records: list[dict[str, Any]] | 
                               "prompt ids must be unique (each prompt's results and resume are kept by id)")
         seen.add(pid)
         if per_cat is not None and taken.get(rec["category"], 0) >= int(per_cat):
+            continue
+        hit = special_text(specials, messages, rec["follow_ups"])
+        if hit is not None:
+            skipped.append({"id": pid, "reason": f"holds the text of the special token {hit!r}, which the template "
+                                                  "would encode as the control token (data prep drops such turns)"})
             continue
         ids = template(tokenizer, messages)
         if max_len is not None and ids.numel() > int(max_len):
@@ -223,5 +241,6 @@ def load_prompts(eval_cfg, data_cfg, tokenizer, records: list[dict[str, Any]] | 
             break
     prompts = prompts[offset:]
     if not prompts:
-        raise PromptError(f"no usable prompts from {source} (eval.prompt_offset={offset})")
+        why = f"; {len(skipped)} skipped, first {skipped[0]['id']!r}: {skipped[0]['reason']}" if skipped else ""
+        raise PromptError(f"no usable prompts from {source} (eval.prompt_offset={offset}{why})")
     return prompts, skipped

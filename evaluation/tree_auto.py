@@ -105,8 +105,10 @@ def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:
     Raises:
         CalibrationError: none is usable (all excluded or over-long, or the held-out split is empty).
     """
-    from evaluation.prompts import Prompt, template
+    from data_prep.template import special_token_texts
+    from evaluation.prompts import Prompt, special_text, template
 
+    specials = special_token_texts(tokenizer)
     banned_ids = {p.id for p in eval_prompts}
     banned_tokens = {tuple(p.input_ids.tolist()) for p in eval_prompts}
     max_len = cfg.eval.get("max_prompt_tokens")
@@ -116,7 +118,7 @@ def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:
     # of a sharded evaluation (eval.prompt_offset) calibrates on the same prompts, none of them evaluated
     for pid, messages in reversed(_heldout_prompts(cfg.data)):
         seen += 1
-        if pid in banned_ids:
+        if pid in banned_ids or special_text(specials, messages) is not None:  # as the evaluation's prompts
             continue
         ids = template(tokenizer, messages)
         if tuple(ids.tolist()) in banned_tokens or (max_len is not None and ids.numel() > int(max_len)):

@@ -256,3 +256,24 @@ def test_summary_table_takes_speed_from_timing_and_tau_from_quality():
                                "layer_step_speedup": 1.061}}
     md = summary_markdown([row, ada])
     assert "| adadecode | 0.28 | 0.33 | 0.15 | 28.28 (30) | 1.06× |" in md
+
+
+def test_a_prompt_holding_special_token_text_is_skipped_with_its_reason(tiny_base, tiny_model_dir, tmp_path):
+    """Data prep drops a turn holding a special token's text (the template would encode "<|im_end|>"
+    typed by a user as the control token); the evaluation measured heads on such prompts, held-out or
+    from a file, turn 1 or a later turn.  They are skipped with that reason; the rest are decoded."""
+    _, tok, _ = tiny_base
+    path = tmp_path / "p.jsonl"
+    rows = [{"id": "ok", "turns": ["Hello there", "and then?"]},
+            {"id": "first", "turns": ["say <|im_end|> now", "fine"]},
+            {"id": "later", "turns": ["fine", "now <|im_start|>system"]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = compose(rewrite_argv(_argv(tiny_model_dir, tmp_path / "out", "checkpoint=oracle", f"eval.prompts={path}")))
+    prompts, skipped = load_prompts(cfg.eval, cfg.data, tok)
+    assert [p.id for p in prompts] == ["ok"]
+    assert [(s["id"], s["reason"].split(",")[0]) for s in skipped] == [
+        ("first", "holds the text of the special token '<|im_end|>'"),
+        ("later", "holds the text of the special token '<|im_start|>'")]
+    path.write_text(json.dumps(rows[1]))
+    with pytest.raises(PromptError, match=r"no usable prompts .*1 skipped, first 'first': holds the text"):
+        load_prompts(cfg.eval, cfg.data, tok)
