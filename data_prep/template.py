@@ -41,6 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from core.chat_template import apply_chat_template
+
 
 #: reasons a record fails templating (counted like the reader's drop reasons)
 TEMPLATE_REASONS = ("special_token_text", "template_error", "template_mismatch")
@@ -69,7 +71,7 @@ def _render_text(tokenizer, messages: Sequence[dict], conversation_id: str, add_
     if not messages:
         return ""
     try:
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        return apply_chat_template(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja2 TemplateError from raise_exception, TypeError, ...: one record, never the run
         msg = str(exc).splitlines()[0] if str(exc) else ""
         raise TemplateError(f"conversation {conversation_id!r}: chat template raised {type(exc).__name__}: {msg}",

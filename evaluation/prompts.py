@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
+from core.chat_template import apply_chat_template
 from data_prep.sharegpt import replace_lone_surrogates
 
 AUTO_FIELDS = ("turns", "prompt", "instruction", "question", "text", "messages")
@@ -173,7 +174,7 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
 
 def template(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
     """Chat-template ``messages`` with the generation prompt: LongTensor [T]."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True)
+    ids = apply_chat_template(tokenizer, messages, tokenize=True, return_dict=False, add_generation_prompt=True)
     return torch.tensor(list(ids), dtype=torch.long)
 
 

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from core.chat_template import apply_chat_template
 from evaluation.prompts import Prompt, PromptError
 
 
@@ -35,7 +36,7 @@ def turn_id(prompt_id: str, turn: int) -> str:
 
 
 def _render(tokenizer, messages: list[dict[str, str]]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return apply_chat_template(tokenizer, messages, tokenize=False, add_generation_prompt=True)
 
 
 def follow_up_prompt(tokenizer, prompt: Prompt, answer_tokens: Sequence[int], eos_ids: Sequence[int]) -> Prompt:

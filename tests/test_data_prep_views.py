@@ -172,3 +172,40 @@ def test_normalisation_counts_reach_the_summary_and_the_manifest(tiny_base, tiny
     for split in ("train", "val"):
         manifest = json.loads((default_cache_dir(cfg) / split / "manifest.json").read_text())
         assert manifest["data_read"]["fixed"] == want and manifest["data_sources"][0]["fixed"] == want
+
+
+LLAMA3_DATE_HEADER = (
+    "{%- if not date_string is defined %}{%- set date_string = strftime_now('%d %b %Y') %}{%- endif %}"
+    "<|im_start|>system\nToday Date: {{ date_string }}<|im_end|>\n"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_a_template_that_reads_the_clock_renders_the_same_on_every_day(monkeypatch):
+    """Llama-3.x-style templates write today's date (transformers' strftime_now): a cache resumed the
+    next day, ranks started across midnight, an online run's record identity and an evaluation's
+    progress fingerprints all changed with the date.  Every rendering sees the one fixed template
+    date, in data prep, in evaluation prompts and in later turns alike."""
+    from datetime import datetime
+
+    from transformers.utils import chat_template_utils
+
+    from core.chat_template import TEMPLATE_DATE
+    from evaluation.prompts import Prompt, template
+    from evaluation.turns import follow_up_prompt
+
+    tok = _tok(LLAMA3_DATE_HEADER)
+    msgs = _messages(CONVERSATIONS[next(iter(CONVERSATIONS))])
+    assert "26 Jul 2024" == TEMPLATE_DATE.strftime("%d %b %Y")
+    renders = []
+    for day in (datetime(2031, 1, 1, 23, 59), datetime(2031, 1, 2, 0, 1)):
+        clock = type("Clock", (datetime,), {"now": classmethod(lambda cls, tz=None, d=day: d)})
+        monkeypatch.setattr(chat_template_utils, "datetime", clock)
+        assert day.strftime("%d %b %Y") in tok.apply_chat_template(msgs[:1], tokenize=False)  # the raw call reads it
+        views = _views(tok, msgs)
+        first = Prompt("p", msgs[:1], template(tok, msgs[:1]), follow_ups=(msgs[2]["content"],))
+        second = follow_up_prompt(tok, first, tok(msgs[1]["content"], add_special_tokens=False)["input_ids"], [])
+        renders.append((views, first.input_ids.tolist(), second.input_ids.tolist()))
+        assert "Today Date: 26 Jul 2024" in tok.decode(first.input_ids.tolist())
+        assert views[0][1] == first.input_ids.tolist()  # data prep's context is the evaluation's prompt
+    assert renders[0] == renders[1]
