@@ -19,6 +19,7 @@ from data_prep.cache import CacheReader, default_cache_dir
 from data_prep.labels import regenerate
 from data_prep.template import end_of_turn_ids, segment_conversation
 from tests.test_data_prep import _conversations as data_prep_conversations
+from tests.test_data_prep import _reference_regeneration as reference_regeneration
 
 
 def _conversations(n: int) -> list[dict]:
@@ -86,29 +87,10 @@ def _eos_emitted(model, tok, convs, max_length):
 
 
 def _batch1_greedy(model, segments, eos, max_new_tokens, max_length):
-    """Reference: HF ``generate`` at batch 1 (greedy, its own KV cache), one turn at a time."""
-    ids, mask = [], []
-    for seg in segments:
-        prompt = ids + seg.ids[: seg.header]
-        if len(ids) >= max_length or len(prompt) >= max_length:
-            break
-        budget = max_length - len(prompt) if max_new_tokens is None else min(max_new_tokens, max_length - len(prompt))
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=budget, eos_token_id=sorted(eos), pad_token_id=2,
-                             top_k=None, top_p=None, temperature=None)[0, len(prompt):].tolist()
-        body = []
-        for t in out:
-            body.append(t)
-            if t in eos:
-                break
-        if body[-1] in eos and seg.body and seg.ids[seg.header + seg.body - 1] in eos:
-            body[-1] = seg.ids[seg.header + seg.body - 1]  # the template closes the turn with its own token
-        ids, mask = prompt + body, mask + [False] * seg.header + [True] * len(body)
-        if body[-1] not in eos:
-            break
-        footer = seg.ids[seg.header + seg.body:]
-        ids, mask = ids + footer, mask + [False] * len(footer)
-    return ids[:max_length], mask[:max_length]
+    """Reference: HF ``generate`` at batch 1 (greedy, its own KV cache), one turn at a time
+    (test_data_prep's reference; ``max_new_tokens=None``: up to ``max_length``)."""
+    return reference_regeneration(model, segments, eos, 10**9 if max_new_tokens is None else max_new_tokens,
+                                  max_length)
 
 
 class _Spy:
