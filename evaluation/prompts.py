@@ -15,6 +15,7 @@ import torch
 
 from core.chat_template import apply_chat_template
 from data_prep.sharegpt import replace_lone_surrogates
+from data_prep.template import special_token_texts
 
 AUTO_FIELDS = ("turns", "prompt", "instruction", "question", "text", "messages")
 ID_FIELDS = ("question_id", "id", "prompt_id", "conversation_id")
@@ -215,8 +216,6 @@ def load_prompts(eval_cfg, data_cfg, tokenizer, records: list[dict[str, Any]] | 
     per_cat = eval_cfg.get("prompts_per_category")
     taken: dict[str | None, int] = {}
     prompts, skipped = [], []
-    from data_prep.template import special_token_texts
-
     specials = special_token_texts(tokenizer)
     seen: set[str] = set()
     for rec in raw:
