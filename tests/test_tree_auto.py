@@ -446,3 +446,9 @@ def test_calibration_prompts_are_the_split_end_read_once_and_again_after_an_edit
     convs = json.loads(sharegpt.read_text())
     sharegpt.write_text(json.dumps([c for c in convs if c["id"] != heldout[-1]]))  # edited: its last one removed
     assert [p.id for p in tree_auto.calibration_prompts(cfg, tok, [], 2)] == heldout[::-1][1:3] and len(scans) == 2
+    # a held-out first turn holding a special token's text is skipped, as the evaluation's prompts skip it
+    convs = json.loads(sharegpt.read_text())
+    target = next(c for c in convs if c["id"] == heldout[-2])
+    target["conversations"][0]["value"] += " <|im_end|>"
+    sharegpt.write_text(json.dumps(convs))
+    assert [p.id for p in tree_auto.calibration_prompts(cfg, tok, [], 2)] == [heldout[-3], heldout[-4]]
