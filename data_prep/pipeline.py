@@ -212,8 +212,9 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         ``no_assistant_tokens`` (every assistant token fell beyond ``max_length``), the finite-value
         guard's reasons (:func:`non_finite_reason`: a non-finite hidden state or label, or a state
         the storage dtype ``storage`` cannot hold; the conversation is dropped) and, for
-        ``regenerate``, ``regen_turns`` (replies regenerated) and ``regen_truncated_turns`` (replies
-        cut by the budget, left without an end-of-turn), both counted as generated, before the
+        ``regenerate``, ``regen_turns`` (replies regenerated), ``regen_closed_by_template`` (replies ended by
+        another eos than the template's, closed with the template's token) and ``regen_truncated_turns`` (replies
+        cut by the budget, left without an end-of-turn), all counted as generated, before the
         guard drops a conversation.  ``examples`` (optional dict) receives the
         first dropped conversation per guard reason: ``{reason: {"id", "layer", "position", "value"}}``.
     """
@@ -228,6 +229,8 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         counts["regen_turns"] += stats["turns"]
         if stats["truncated_turns"]:
             counts["regen_truncated_turns"] += stats["truncated_turns"]
+        if stats["turns_closed_by_template"]:
+            counts["regen_closed_by_template"] += stats["turns_closed_by_template"]
     elif labels_mode == "teacher_forced":
         seqs = [c.encode(max_length) for c in convs]
     else:
@@ -464,7 +467,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
 def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str, Any]:
     complete = all(m is not None for m in manifests.values())
     dropped = Counter(data.stats.dropped)
-    truncated = turns = 0
+    truncated = turns = closed = 0
     totals = {"conversations": 0, "tokens": 0, "assistant_tokens": 0, "bytes": 0}
     per_split = {}
     examples = dict(data.stats.examples)
@@ -478,6 +481,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
                                                                         f"position {ex['position']}"})
         truncated += dropped.pop("regen_truncated_turns", 0)
         turns += dropped.pop("regen_turns", 0)
+        closed += dropped.pop("regen_closed_by_template", 0)
         per_split[split] = {"conversations": m["num_records"], "tokens": m["num_tokens"],
                             "assistant_tokens": m["num_assistant_tokens"], "bytes": m["bytes"]}
         totals["conversations"] += m["num_records"]
@@ -497,6 +501,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         "fix_examples": dict(sorted(data.stats.fix_examples.items())),
         "regen_truncated_turns": truncated,
         "regen_turns": turns,
+        "regen_closed_by_template": closed,
         "replaced_bytes": data.stats.replaced_bytes,
         "replaced_records": data.stats.replaced_records,
         "unparsed_bytes": data.stats.unparsed_bytes if data.stats.finished else None,
@@ -525,6 +530,9 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"regenerated replies: {s['regen_turns']:,}, cut by prep.max_new_tokens / data.max_length "
                      f"(no end-of-turn): {s['regen_truncated_turns']:,} "
                      f"({100 * s['regen_truncated_turns'] / s['regen_turns']:.1f}%)")
+        if s.get("regen_closed_by_template"):
+            lines.append(f"  ended by another eos of the base, closed with the template's end-of-turn: "
+                         f"{s['regen_closed_by_template']:,}")
     elif s.get("regen_truncated_turns"):  # a cache written before replies were counted
         lines.append(f"regenerated turns cut by prep.max_new_tokens / data.max_length (no end-of-turn): "
                      f"{s['regen_truncated_turns']:,}")

@@ -428,3 +428,18 @@ def test_a_reply_ended_by_another_eos_is_closed_as_the_template_closes_it():
     assert first.input_ids.tolist() == ids[:starts[0]]
     generated = ids[starts[0]:end1] + [0]  # what vanilla decoding emitted
     assert ids[:starts[1]] == follow_up_prompt(tok, first, generated, sorted(eot)).input_ids.tolist()
+    # data prep counts it, and the summary says so
+    from data_prep.front import TemplatedConversation
+
+    calls["n"] = 0
+    hook = model.lm_head.register_forward_hook(endoftext_at_step_5)
+    records, counts = pipeline.build_records(model, tok, [TemplatedConversation("c", "c", segs)], labels_mode="regenerate",
+                                             max_length=200, max_new_tokens=8, layers=[], final_layer=4,
+                                             batch_tokens=4096, gen_batch_size=1)
+    hook.remove()
+    assert list(records[0]["input_ids"]) == ids and counts["regen_closed_by_template"] == 1
+    text = pipeline.format_summary({"complete": True, "cache_dir": "c", "conversations": 1, "splits": {}, "tokens": 1,
+                                    "assistant_tokens": 1, "records_read": 1, "dropped": {}, "bytes": 1,
+                                    "bytes_per_token": 1.0, "regen_turns": 2, "regen_truncated_turns": 0,
+                                    "regen_closed_by_template": 1, "unparsed_bytes": None})
+    assert "ended by another eos of the base, closed with the template's end-of-turn: 1" in text
