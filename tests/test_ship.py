@@ -4,6 +4,7 @@ drafts up to bf16 rounding, and bad input writes nothing."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +86,19 @@ def test_ship_refuses_bad_input_and_writes_nothing(checkpoint, tmp_path, capsys)
     save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "draftheads"})
     assert main([str(ckpt), str(tmp_path / "o3"), "--dtype", "float16"]) == 2
     assert name in capsys.readouterr().err and not (tmp_path / "o3").exists()
+
+
+@pytest.mark.parametrize("head_dir", sorted(p.name for p in (Path(__file__).parents[1] / "heads_of_record").iterdir()
+                                            if (p / "config.json").is_file()))
+def test_a_shipped_head_of_record_says_what_it_trained_on(head_dir):
+    """The committed heads' config.yaml names the labels and features of the cache their weights trained
+    on (config.json's extra.features), as heads.ship writes them; both said regenerate / no layers /
+    bf16 storage before, data prep's defaults."""
+    from core.config import feature_config_values
+
+    root = Path(__file__).parents[1] / "heads_of_record" / head_dir
+    features = json.loads((root / "config.json").read_text())["extra"]["features"]
+    cfg = OmegaConf.load(root / "config.yaml")
+    want = feature_config_values(features)
+    assert want == {"labels": "teacher_forced", "prep.layers": [2, 8, 15, 22, 27], "prep.dtype": "float8_e4m3fn"}
+    assert {k: (sorted(OmegaConf.select(cfg, k)) if k == "prep.layers" else OmegaConf.select(cfg, k)) for k in want} == want
