@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.config import compose  # noqa: E402
 from data_prep import cache as cache_mod  # noqa: E402
 from data_prep.labels import _pad_right  # noqa: E402
-from data_prep.labels import regenerate  # noqa: E402
+from data_prep.labels import regen_sources, regenerate  # noqa: E402
 from data_prep.pipeline import build_records, length_batches, read_split, template_split  # noqa: E402
 from data_prep.template import end_of_turn_ids  # noqa: E402
 
@@ -49,7 +49,8 @@ def bench_regenerate(model, tok, convs, eos, max_length: int, batch_size: int) -
 
     stats = Counter()
     t0 = time.perf_counter()
-    out = regenerate(model, tok, [c.segments for c in convs], eos, None, max_length, batch_size, stats=stats)
+    out = [r for records in regenerate(model, tok, regen_sources(convs), eos, None, max_length, batch_size, stats=stats)
+           for r in records]
     t_regen = time.perf_counter() - t0
     # the same turns as independent prompts: (round k, full context, generated tokens)
     turns: dict[int, list[tuple[list[int], list[int]]]] = {}

@@ -48,8 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from core.config import compose  # noqa: E402
-from data_prep.labels import regenerate  # noqa: E402
-from data_prep.pipeline import read_split, template_split  # noqa: E402
+from data_prep.labels import regen_sources, regenerate  # noqa: E402
+from data_prep.pipeline import read_split, shard_records, template_split  # noqa: E402
 from data_prep.template import end_of_turn_ids  # noqa: E402
 
 
@@ -108,14 +108,22 @@ def timed(fn):
     return out, time.perf_counter() - w, time.process_time() - c
 
 
-def ours(regen, model, tok, shards, eos, max_new, max_length, batch_size):
+def ours(regen, model, tok, shards, eos, max_new, max_length, batch_size, old: bool = False):
+    """``regen`` over each shard of templated records; per shard its ``(ids, mask)`` records.  ``old``:
+    a ``regenerate`` from before RegenSource (it took each record's segments, one output each)."""
     outputs, stats, calls = [], Counter(), [0]
 
     def count(n):
         calls[0] += 1
 
-    for segs in shards:
-        outputs += regen(model, tok, segs, eos, max_new, max_length, batch_size, on_generated=count, stats=stats)
+    for shard in shards:
+        if old:
+            outputs.append(regen(model, tok, [c.segments for c in shard], eos, max_new, max_length, batch_size,
+                                 on_generated=count, stats=stats))
+        else:
+            out = regen(model, tok, regen_sources(shard), eos, max_new, max_length, batch_size, on_generated=count,
+                        stats=stats)
+            outputs.append([r for records in out for r in records])
     return outputs, stats, calls[0]
 
 
@@ -131,10 +139,7 @@ def sweep(model, tok, shards, eos, args, sizes, label: str) -> tuple[list[dict],
                 if which == "ours":
                     (outputs, stats, calls), wall, cpu = timed(
                         lambda: ours(regenerate, model, tok, shards, eos, args.max_new_tokens, args.max_length, B))
-                    shard_turns, k = [], 0
-                    for segs in shards:
-                        shard_turns.append(turns_of(outputs[k: k + len(segs)], args.max_new_tokens, args.max_length))
-                        k += len(segs)
+                    shard_turns = [turns_of(out, args.max_new_tokens, args.max_length) for out in outputs]
                     n = stats["generated_tokens"]
                     extra = {"turns": stats["turns"], "cut": stats["truncated_turns"], "forwards": calls}
                 else:
@@ -232,7 +237,7 @@ def main() -> None:
         eos = end_of_turn_ids(tok, model)
         templated = template_split(tok, read_split(cfg.data), eos, args.max_length)
         convs = templated["train"] + templated["val"]
-        shards = [[c.segments for c in convs[i: i + args.shard_size]] for i in range(0, len(convs), args.shard_size)]
+        shards = shard_records(convs, args.shard_size, by_conversation=True)
         return model, tok, eos, shards
 
     model, tok, eos, shards = prepared(args.dtype)
@@ -242,7 +247,7 @@ def main() -> None:
         if not prepack_row_consistent(model):
             raise SystemExit(f"--prepacked: this CPU cannot pack {args.dtype} linear weights row-consistently")
     header.update({"model": args.model_path or "SmolLM2-135M-Instruct (packaged)", "dtype": args.dtype,
-                   "prepacked": bool(args.prepacked), "conversations": sum(len(s) for s in shards)})
+                   "prepacked": bool(args.prepacked), "conversations": sum(len({c.conversation_id for c in s}) for s in shards)})
     print(json.dumps(header), flush=True)
     rows, turns = sweep(model, tok, shards, eos, args, sizes, args.dtype)
     results["rows"] += rows
@@ -259,7 +264,7 @@ def main() -> None:
             old = load_old_regenerate(args.old_rev)
             model.set_attn_implementation("eager")  # its default then (configs/model/smollm2.yaml)
             (_, stats, _), wall, cpu = timed(lambda: ours(old, model, tok, shards, eos, args.max_new_tokens,
-                                                          args.max_length, 64))
+                                                          args.max_length, 64, old=True))
             model.set_attn_implementation("sdpa")
             results["old"] = {"rev": args.old_rev, "dtype": "float32", "attn": "eager", "batch_size": 64,
                               "tokens": stats["generated_tokens"], "tok_s": stats["generated_tokens"] / wall,

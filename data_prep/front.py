@@ -52,11 +52,14 @@ class TemplatedConversation:
         id: record id stored in the cache.
         conversation_id: the source conversation's id.
         segments: assistant segments (:func:`data_prep.template.segment_records`).
+        messages: the source conversation's normalised messages (shared by its records; what
+            regeneration renders later turns from, :func:`data_prep.labels.regenerate`).
     """
 
     id: str
     conversation_id: str
     segments: list[Segment]
+    messages: list[dict] | None = None
 
     def encode(self, max_length: int | None = None) -> tuple[list[int], list[bool]]:
         """``(input_ids, loss_mask)`` — lists of length T <= max_length; mask True on assistant bodies."""
@@ -154,7 +157,7 @@ def template_conversations(tokenizer, convs: Iterable[Conversation], eos_ids: It
         if len(records) > 1:
             stats.fix("split_by_template", conv.id, f"{len(records)} records: the template rewrites earlier turns")
         for k, segs in enumerate(records):
-            yield TemplatedConversation(conv.id if k == 0 else f"{conv.id}#{k}", conv.id, segs)
+            yield TemplatedConversation(conv.id if k == 0 else f"{conv.id}#{k}", conv.id, segs, conv.messages)
 
 
 def template_split(tokenizer, data: SplitConversations, eos_ids: Iterable[int], max_length: int

@@ -8,8 +8,9 @@
   rewritten by the base model's own greedy decoding, given the conversation so far, up to
   ``data.max_length`` tokens per turn by default: continuous batching over a slot KV cache
   (each conversation keeps its slot across its turns; a finished conversation's slot takes the
-  next one at once).  Features then come from a teacher-forced pass over the regenerated
-  conversation, so labels equal what the base really emits.
+  next one at once).  Each later turn's context is rendered from the regenerated replies by the
+  evaluation's rule (:func:`core.follow_up.follow_up`).  Features then come from a teacher-forced
+  pass over the regenerated conversation, so labels equal what the base really emits.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from typing import Sequence
 
 import torch
 
-from data_prep.template import Segment, pad_token_id
+from core.chat_template import apply_chat_template
+from core.follow_up import follow_up
+from data_prep.template import pad_token_id
 
 
 def _pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,14 +171,66 @@ def _check_full_attention(model, max_length: int) -> None:
                          f"data.max_length={max_length}; regeneration supports full-attention decoders only")
 
 
+@dataclass(frozen=True)
+class RegenSource:
+    """One conversation to regenerate (:func:`regen_sources`).
+
+    Attributes:
+        id: the conversation id (its records are ``id``, ``id#1``, ...).
+        messages: normalised ``[{"role", "content"}]`` messages (read only).
+        turns: indices in ``messages`` of the assistant turns to write, in order: consecutive
+            assistant turns (a turn that templating dropped ends the list, since every later
+            context holds its reply).
+    """
+
+    id: str
+    messages: list[dict]
+    turns: list[int]
+
+
+def regen_sources(records) -> list[RegenSource]:
+    """Group templated records (:class:`data_prep.front.TemplatedConversation`, a conversation's records
+    adjacent) into one :class:`RegenSource` per conversation: the assistant turns templating kept, from
+    the first kept one up to the first it dropped.
+
+    Raises:
+        ValueError: a record carries no ``messages``, or a conversation's records are not adjacent.
+    """
+    out: list[RegenSource] = []
+    kept: dict[str, list[int]] = {}
+    for rec in records:
+        if rec.messages is None:
+            raise ValueError(f"record {rec.id!r} carries no messages: regeneration renders later turns from them")
+        cid = rec.conversation_id
+        if cid not in kept:
+            kept[cid] = []
+            out.append(RegenSource(cid, rec.messages, []))
+        elif out[-1].id != cid:
+            raise ValueError(f"the records of conversation {cid!r} are not adjacent")
+        kept[cid].extend(seg.turn for seg in rec.segments if seg.body)
+    for src in out:
+        assistant = [i for i, m in enumerate(src.messages) if m["role"] == "assistant"]
+        turns = kept[src.id]
+        start = assistant.index(turns[0]) if turns and turns[0] in assistant else len(assistant)
+        n = 0
+        while n < len(turns) and start + n < len(assistant) and turns[n] == assistant[start + n]:
+            n += 1
+        src.turns.extend(turns[:n])
+    return out
+
+
 @dataclass
 class _Conv:
-    """One conversation being regenerated (``ids`` / ``mask`` grow as turns are written)."""
+    """One conversation being regenerated: its current record (``ids`` / ``mask``) grows as turns are
+    written; a record closed by a template that rewrites history moves to ``records``."""
 
-    segments: list[Segment]
+    source: RegenSource
+    messages: list[dict]         # the source's messages, each written reply's content replaced
+    k: int = 0                   # the turn being written: source.turns[k]
+    prompt_len: int = 0          # ids[:prompt_len] is the turn's context (its generation prompt)
     ids: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
-    next_seg: int = 0
+    records: list[tuple[list[int], list[bool]]] = field(default_factory=list)
     fed: int = 0                 # tokens of ``ids`` whose keys/values are in the slot
     pending: list[int] = field(default_factory=list)  # tokens to feed next (ids[fed:])
     budget: int = 0              # tokens this turn may still generate
@@ -185,9 +240,9 @@ class _Conv:
 class _Regenerator:
     """Continuous batching over ``slots`` KV-cache slots (:func:`regenerate` describes the schedule)."""
 
-    def __init__(self, model, convs: list[_Conv], eos_ids: set[int], max_new_tokens: int | None, max_length: int,
-                 slots: int, pad_id: int, on_generated, on_done, stats: Counter):
-        self.model, self.convs, self.eos = model, convs, set(int(e) for e in eos_ids)
+    def __init__(self, model, tokenizer, convs: list[_Conv], eos_ids: set[int], max_new_tokens: int | None,
+                 max_length: int, slots: int, pad_id: int, on_generated, on_done, stats: Counter):
+        self.model, self.tokenizer, self.convs, self.eos = model, tokenizer, convs, set(int(e) for e in eos_ids)
         self.max_new, self.max_length, self.pad_id = max_new_tokens, max_length, pad_id
         self.on_generated, self.on_done, self.stats = on_generated, on_done, stats
         self.device = next(model.parameters()).device
@@ -201,19 +256,72 @@ class _Regenerator:
         self.active: list[int] = []  # slot -> conversation index, slots 0..A-1
 
     # -- turns ----------------------------------------------------------------------------
-    def _start_turn(self, c: _Conv) -> bool:
-        """Queue ``c``'s next assistant turn (its context's unfed tokens); False when it has ended."""
-        if c.next_seg >= len(c.segments) or len(c.ids) >= self.max_length:
+    def _begin(self, c: _Conv) -> bool:
+        """Queue ``c``'s first turn (its generation prompt); False when it has none within ``max_length``."""
+        if not c.source.turns:
             return False
-        seg = c.segments[c.next_seg]
-        if len(c.ids) + seg.header >= self.max_length:
-            return False
-        c.ids.extend(seg.ids[: seg.header])
-        c.mask.extend([False] * seg.header)
+        t = c.source.turns[0]
+        prompt = apply_chat_template(self.tokenizer, c.messages[:t], tokenize=True, return_dict=False,
+                                     add_generation_prompt=True)
+        c.ids, c.mask, c.fed = [int(i) for i in prompt], [False] * len(prompt), 0
+        return self._open_turn(c)
+
+    def _open_turn(self, c: _Conv) -> bool:
+        """``c.ids`` ends with turn ``c.k``'s generation prompt: queue its unfed tokens; False when
+        the prompt leaves no room for a reply (the record is kept, the conversation ends)."""
+        if len(c.ids) >= self.max_length:
+            return self._finish(c)
+        c.prompt_len = len(c.ids)
         room = self.max_length - len(c.ids)
         c.budget = room if self.max_new is None else min(self.max_new, room)
         c.pending = c.ids[c.fed:]
         return True
+
+    def _finish(self, c: _Conv) -> bool:
+        """Close the current record (if it holds a reply) and end ``c``; returns False."""
+        if any(c.mask):
+            c.records.append((c.ids[: self.max_length], c.mask[: self.max_length]))
+        c.ids, c.mask, c.pending = [], [], []
+        return False
+
+    def _close(self, c: _Conv, tail: list[int]) -> None:
+        """Append the template's tokens after the reply; its first takes the generated end-of-turn's
+        place (another eos of the base, e.g. <|endoftext|> where the template closes with <|im_end|>:
+        at inference the reply stops there and the template writes its own token)."""
+        if not tail:
+            return
+        if tail[0] != c.ids[-1]:
+            c.ids[-1] = tail[0]
+            self.stats["turns_closed_by_template"] += 1
+        c.ids.extend(tail[1:])
+        c.mask.extend([False] * (len(tail) - 1))
+
+    def _next_turn(self, c: _Conv) -> bool:
+        """The reply of turn ``c.k`` ended with an end-of-turn token: render what follows it as
+        inference does (:func:`core.follow_up.follow_up`) and queue the next turn; False when ``c`` ends."""
+        turns, t = c.source.turns, c.source.turns[c.k]
+        prompt, answer = c.ids[: c.prompt_len], c.ids[c.prompt_len:]
+        last = c.k + 1 >= len(turns)
+        following = [] if last else c.messages[t + 1: turns[c.k + 1]]
+        try:
+            nxt = follow_up(self.tokenizer, c.messages[:t], prompt, answer, following, self.eos)
+            closing = nxt if (last or nxt.extended) else follow_up(self.tokenizer, c.messages[:t], prompt, answer,
+                                                                   [], self.eos)
+        except Exception:  # noqa: BLE001 — the template cannot render the regenerated reply: keep what is written
+            self.stats["template_errors"] += 1
+            return self._finish(c)
+        c.messages[t] = {**c.messages[t], "content": nxt.answer_text}
+        if closing.extended:
+            self._close(c, closing.tail)
+        if last:
+            return self._finish(c)
+        c.k += 1
+        if not nxt.extended:  # the template rewrote an earlier turn: the next turn starts a new record
+            self.stats["rerendered_turns"] += 1
+            self._finish(c)
+            c.ids, c.mask, c.fed = list(nxt.ids), [False] * len(nxt.ids), 0  # the slot is refilled from column 0
+            return self._open_turn(c)
+        return self._open_turn(c)
 
     def _emit(self, c: _Conv, tok: int) -> bool:
         """Append a generated token; return False when ``c`` has no further turn."""
@@ -223,23 +331,11 @@ class _Regenerator:
         self.stats["generated_tokens"] += 1
         if tok in self.eos:
             self.stats["turns"] += 1
-            seg = c.segments[c.next_seg]
-            close = seg.ids[seg.header + seg.body - 1] if seg.body else None
-            if close in self.eos and tok != close:
-                # another eos of the base (<|endoftext|> where the template closes with <|im_end|>): at
-                # inference the reply stops there and the template closes the turn with its own token,
-                # which the next turn's context holds (evaluation.turns.follow_up_prompt)
-                c.ids[-1] = close
-                self.stats["turns_closed_by_template"] += 1
-            footer = seg.ids[seg.header + seg.body:]
-            c.ids.extend(footer)
-            c.mask.extend([False] * len(footer))
-            c.next_seg += 1
-            return self._start_turn(c)
+            return self._next_turn(c)
         if c.budget <= 0:  # cut by prep.max_new_tokens / data.max_length: no end-of-turn, conversation ends
             self.stats["turns"] += 1
             self.stats["truncated_turns"] += 1
-            return False
+            return self._finish(c)
         c.pending = [tok]
         return True
 
@@ -294,7 +390,7 @@ class _Regenerator:
         def admit() -> int | None:
             while queue:
                 k = queue.pop()
-                if self._start_turn(self.convs[k]):
+                if self._begin(self.convs[k]):
                     return k
                 self._done(1)  # no turn fits within max_length
             return None
@@ -326,7 +422,6 @@ class _Regenerator:
             k = admit()
             if k is not None:
                 self.active[s] = k
-                self.convs[k].fed = 0
             else:
                 self.active[s] = -1
         if any(k < 0 for k in self.active):  # nothing left to admit: keep the busy slots at 0..A-1
@@ -362,34 +457,41 @@ def _fast_attention(model):
 
 
 @torch.inference_mode()
-def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids: set[int], max_new_tokens: int | None,
+def regenerate(model, tokenizer, conversations: Sequence[RegenSource], eos_ids: set[int], max_new_tokens: int | None,
                max_length: int, batch_size: int = 16, on_generated=None, stats: Counter | None = None,
-               on_done=None) -> list[tuple[list[int], list[bool]]]:
+               on_done=None) -> list[list[tuple[list[int], list[bool]]]]:
     """Greedily regenerate every assistant turn with the base model (``labels=regenerate``).
 
-    Each conversation's turns are written in order: the generated body replaces the original
-    one, up to and including the first end-of-turn token; the template's header and footer
-    tokens and the user turns are kept.  Each row's tokens equal batch-1 greedy decoding of its
-    context (argmax of the logits, first maximum on ties) up to floating-point rounding: exact
+    Each conversation's turns (``RegenSource.turns``) are written in order, each from the context
+    inference gives it: the first turn's generation prompt, then after each reply what
+    :func:`core.follow_up.follow_up` renders from the regenerated replies so far (the evaluation's
+    multi-turn rule).  A prefix-stable template (ChatML) extends the record by the template's tokens
+    (the reply's end-of-turn, the next user turn, the generation prompt); one that rewrites earlier
+    turns (Qwen3 stripping reasoning, DeepSeek-R1's think-block prompt, window templates) closes the
+    record and starts the next turn's record with its own rendering of the regenerated conversation.
+    The reply's end-of-turn takes the template's closing token (another eos of the base, e.g.
+    ``<|endoftext|>``, is replaced and counted).  Each row's tokens equal batch-1 greedy decoding of
+    its context (argmax of the logits, first maximum on ties) up to floating-point rounding: exact
     in float32 on the tests' model; in bfloat16 a near-tie may differ from batch 1
     (``benchmarks/bench_regen.py --agree-turns`` measures the share that agrees).
 
     Schedule (continuous batching): ``batch_size`` KV-cache slots, each holding one
     conversation's keys/values left-aligned (a row's token at position p in column p, its own
     positions, every other column masked out), so a conversation's next turn appends its new
-    tokens (the last reply's end-of-turn, the footer, the next user turn and the generation
-    prompt) in place, with no copy.  A slot whose conversation ends takes the next one from the
-    queue at once, so the batch stays full until the queue is empty; then the remaining rows are
-    packed into the first slots (one row copy each) so every decode step reads plain views.
-    New tokens are prefilled in one left-padded forward of the slots that need it; every other
-    step is one token per slot.  The queue holds the conversations longest original replies
-    first (ties by index), so the long ones do not run alone at the end.  Attention spans the
-    longest active row, so rows of very different lengths share a step's attention width only.
+    tokens in place, with no copy (a re-rendered record refills its slot from column 0).  A slot
+    whose conversation ends takes the next one from the queue at once, so the batch stays full
+    until the queue is empty; then the remaining rows are packed into the first slots (one row
+    copy each) so every decode step reads plain views.  New tokens are prefilled in one
+    left-padded forward of the slots that need it; every other step is one token per slot.  The
+    queue holds the conversations longest original replies (in characters) first (ties by index),
+    so the long ones do not run alone at the end.  Attention spans the longest active row, so rows
+    of very different lengths share a step's attention width only.
 
     Budget: a turn may generate up to ``max_new_tokens`` tokens (``None`` = full length: up to
     ``max_length`` minus its context).  A turn cut by the budget keeps its tokens without an
     end-of-turn it did not generate and ends its conversation (later turns would follow a cut
-    response); so does reaching ``max_length`` tokens.
+    response); so does a context that reaches ``max_length`` tokens, and a regenerated reply the
+    template cannot render (counted).
 
     Attention runs on ``sdpa`` for the duration when the base was loaded with ``eager``
     (:func:`_fast_attention`).
@@ -399,21 +501,25 @@ def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids
 
     Args:
         model, tokenizer: the frozen base (any dtype; a full-attention HF decoder whose attention
-            calls ``cache.update``) and its tokenizer.
-        conversations: per record, its template segments (:func:`data_prep.template.segment_records`).
+            calls ``cache.update``) and its tokenizer with its chat template.
+        conversations: what to regenerate (:func:`regen_sources`).
         eos_ids: end-of-turn ids (generation stops at any of them).
         max_new_tokens: generation budget per assistant turn, or ``None`` (full length).
-        max_length: token budget per conversation.
+        max_length: token budget per record.
         batch_size: KV-cache slots (rows per decode step).
         on_generated: optional callback ``f(n_tokens)`` after every forward (tokens emitted by it).
         on_done: optional callback ``f(n_conversations)`` when conversations end (all of them, in
             schedule order); an exception raised by either callback stops the regeneration.
-        stats: optional counter; ``generated_tokens``, ``turns`` (regenerated replies) and
-            ``truncated_turns`` (replies cut by the budget) are added.
+        stats: optional counter; ``generated_tokens``, ``turns`` (regenerated replies),
+            ``truncated_turns`` (replies cut by the budget), ``turns_closed_by_template``,
+            ``rerendered_turns`` (turns whose context the template re-rendered: a new record) and
+            ``template_errors`` (conversations ended because the template raised on a regenerated
+            reply) are added.
 
     Returns:
-        per conversation ``(input_ids, loss_mask)`` of the regenerated conversation, at most
-        ``max_length`` tokens; the mask is True on generated tokens.
+        per conversation its records, each ``(input_ids, loss_mask)`` of at most ``max_length``
+        tokens with the mask True on generated tokens (one record under a prefix-stable template;
+        none when no reply fits).
 
     Raises:
         ValueError: the model has sliding-window layers narrower than ``max_length``.
@@ -421,11 +527,15 @@ def regenerate(model, tokenizer, conversations: Sequence[list[Segment]], eos_ids
     _check_full_attention(model, max_length)
     pad_id = pad_token_id(tokenizer, eos_ids)
     stats = stats if stats is not None else Counter()
-    convs = [_Conv(list(segs)) for segs in conversations]
+    convs = [_Conv(src, [dict(m) for m in src.messages]) for src in conversations]
     if convs:
-        order = sorted(range(len(convs)), key=lambda k: (-sum(s.body for s in convs[k].segments), k))
-        engine = _Regenerator(model, convs, eos_ids, max_new_tokens, max_length, max(1, min(batch_size, len(convs))),
-                              pad_id, on_generated, on_done, stats)
+        def original(k: int) -> int:
+            src = convs[k].source
+            return sum(len(str(src.messages[t]["content"])) for t in src.turns)
+
+        order = sorted(range(len(convs)), key=lambda k: (-original(k), k))
+        engine = _Regenerator(model, tokenizer, convs, eos_ids, max_new_tokens, max_length,
+                              max(1, min(batch_size, len(convs))), pad_id, on_generated, on_done, stats)
         with _fast_attention(model):
             engine.run(order)
-    return [(c.ids[:max_length], c.mask[:max_length]) for c in convs]
+    return [c.records for c in convs]

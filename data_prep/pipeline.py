@@ -12,7 +12,6 @@ padded tokens), so the bytes do not depend on N, and a re-run skips every intact
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections import Counter
@@ -26,7 +25,7 @@ from core.io import atomic_write_json
 from data_prep import cache as cache_mod
 from data_prep import label_counts
 from data_prep.features import FeatureDefinition
-from data_prep.labels import forward_features, regenerate
+from data_prep.labels import forward_features, regen_sources, regenerate
 from data_prep.front import (SPLITS, SplitConversations, TemplatedConversation, heldout_prompts,  # noqa: F401
                               read_split, template_split)
 from data_prep.template import end_of_turn_ids, pad_token_id
@@ -202,8 +201,10 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
     """Label and featurise templated conversations (one shard's worth), in input order.
 
     Args:
-        convs: :func:`data_prep.front.template_split` output for the shard.
-        labels_mode: ``teacher_forced`` or ``regenerate``.
+        convs: :func:`data_prep.front.template_split` output for the shard (under ``regenerate`` a
+            conversation's records adjacent: :func:`shard_records`).
+        labels_mode: ``teacher_forced`` or ``regenerate`` (records ``<id>``, ``<id>#1``, ... per
+            conversation as the template renders the regenerated replies).
         max_new_tokens: regeneration budget per turn (``None`` = up to ``max_length``).
 
     Returns:
@@ -213,34 +214,44 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         guard's reasons (:func:`non_finite_reason`: a non-finite hidden state or label, or a state
         the storage dtype ``storage`` cannot hold; the conversation is dropped) and, for
         ``regenerate``, ``regen_turns`` (replies regenerated), ``regen_closed_by_template`` (replies ended by
-        another eos than the template's, closed with the template's token) and ``regen_truncated_turns`` (replies
-        cut by the budget, left without an end-of-turn), all counted as generated, before the
+        another eos than the template's, closed with the template's token), ``regen_truncated_turns`` (replies
+        cut by the budget, left without an end-of-turn), ``regen_rerendered_turns`` (later turns whose context
+        the template re-rendered) and ``regen_template_errors``, all counted as generated, before the
         guard drops a conversation.  ``examples`` (optional dict) receives the
         first dropped conversation per guard reason: ``{reason: {"id", "layer", "position", "value"}}``.
     """
     eos = end_of_turn_ids(tokenizer, model)
     pad_id = pad_token_id(tokenizer, eos)
     counts: Counter = Counter()
+    items = []
     if labels_mode == "regenerate":
         stats: Counter = progress.shard_stats() if progress is not None else Counter()
-        seqs = regenerate(model, tokenizer, [c.segments for c in convs], eos, max_new_tokens, max_length,
-                          gen_batch_size, on_generated=progress.generated if progress is not None else None,
-                          on_done=progress.regenerated if progress is not None else None, stats=stats)
-        counts["regen_turns"] += stats["turns"]
-        if stats["truncated_turns"]:
-            counts["regen_truncated_turns"] += stats["truncated_turns"]
-        if stats["turns_closed_by_template"]:
-            counts["regen_closed_by_template"] += stats["turns_closed_by_template"]
+        sources = regen_sources(convs)
+        regenerated = regenerate(model, tokenizer, sources, eos, max_new_tokens, max_length, gen_batch_size,
+                                 on_generated=progress.generated if progress is not None else None,
+                                 on_done=progress.regenerated if progress is not None else None, stats=stats)
+        for key, count in (("regen_turns", stats["turns"]), ("regen_truncated_turns", stats["truncated_turns"]),
+                           ("regen_closed_by_template", stats["turns_closed_by_template"]),
+                           ("regen_rerendered_turns", stats["rerendered_turns"]),
+                           ("regen_template_errors", stats["template_errors"])):
+            if count or key == "regen_turns":
+                counts[key] += count
+        for src, records in zip(sources, regenerated):
+            if not records:
+                counts["no_assistant_tokens"] += 1
+            for k, (ids, mask) in enumerate(records):
+                items.append({"id": src.id if k == 0 else f"{src.id}#{k}", "input_ids": ids, "loss_mask": mask})
+        finished = len(sources)
     elif labels_mode == "teacher_forced":
-        seqs = [c.encode(max_length) for c in convs]
+        for conv in convs:
+            ids, mask = conv.encode(max_length)
+            if not any(mask):
+                counts["no_assistant_tokens"] += 1
+                continue
+            items.append({"id": conv.id, "input_ids": ids, "loss_mask": mask})
+        finished = len(convs)
     else:
         raise ValueError(f"labels={labels_mode!r} is not valid; choices: teacher_forced, regenerate")
-    items = []
-    for conv, (ids, mask) in zip(convs, seqs):
-        if not any(mask):
-            counts["no_assistant_tokens"] += 1
-            continue
-        items.append({"id": conv.id, "input_ids": ids, "loss_mask": mask})
     want = sorted(set(layers) | {final_layer})
     for group in length_batches([len(it["input_ids"]) for it in items], batch_tokens):
         feats = forward_features(model, [items[i]["input_ids"] for i in group], pad_id, want)
@@ -250,8 +261,8 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
             items[i]["logits_finite"] = f.get("logits_finite")
         if progress is not None:
             progress.update(len(group), sum(len(items[i]["input_ids"]) for i in group))
-    if progress is not None and len(convs) > len(items):
-        progress.update(len(convs) - len(items), 0)
+    if progress is not None and finished > len(items):
+        progress.update(finished - len(items), 0)
     kept = []
     for it in items:  # the finite-value guard: nothing non-finite enters the cache
         bad = non_finite_reason(it, storage)
@@ -264,6 +275,29 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         if examples is not None:
             examples.setdefault(reason, {"id": it["id"], **where})
     return kept, counts
+
+
+def shard_records(records: Sequence[TemplatedConversation], shard_size: int, by_conversation: bool = False
+                  ) -> list[list[TemplatedConversation]]:
+    """Split one split's templated records into shards of ``shard_size`` (``prep.shard_size``).
+
+    ``by_conversation``: shards of ``shard_size`` conversations, a conversation's records (a template
+    that rewrites history gives several) always in one shard: regeneration writes a conversation's
+    turns in order (:func:`data_prep.labels.regen_sources`).  Under a prefix-stable template every
+    conversation is one record, so both ways give the same shards."""
+    if not by_conversation:
+        return [list(records[k:k + shard_size]) for k in range(0, len(records), shard_size)]
+    shards: list[list[TemplatedConversation]] = []
+    seen = 0
+    last = None
+    for rec in records:
+        if rec.conversation_id != last:
+            if seen % shard_size == 0:
+                shards.append([])
+            seen += 1
+            last = rec.conversation_id
+        shards[-1].append(rec)
+    return shards
 
 
 def refuse_different_cache(root: Path, cfg) -> None:
@@ -386,20 +420,21 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         "data_sources": [s.describe() for s in data.sources],
         "data_read": {k: v for k, v in data.stats.to_dict().items() if k != "finished"},
     }
+    regen = str(cfg.labels) == "regenerate"
+    shards = {split: shard_records(templated[split], S, by_conversation=regen) for split in SPLITS}
     # every (split, shard) pair gets a global index; rank r takes the indices ≡ r (mod world)
     todo = []
     index = 0
     for split in SPLITS:
-        convs = templated[split]
-        for k in range(math.ceil(len(convs) / S)):
+        for k, convs in enumerate(shards[split]):
             if index % world == rank:
-                todo.append((split, k, convs[k * S:(k + 1) * S]))
+                todo.append((split, k, convs))
             index += 1
 
     def size(convs) -> int:  # what a shard adds to the bar: conversations (regenerate) or templated tokens
-        return len(convs) if regen else sum(sum(len(s.ids) for s in c.segments) for c in convs)
+        return len({c.conversation_id for c in convs}) if regen else sum(sum(len(s.ids) for s in c.segments)
+                                                                        for c in convs)
 
-    regen = str(cfg.labels) == "regenerate"
     finished = [cache_mod.finished_entry(root / split, k, chash) is not None for split, k, _ in todo]
     progress = _Progress(sum(size(cs) for _, _, cs in todo), sum(size(cs) for (_, _, cs), f in zip(todo, finished) if f),
                          regen, bool(cfg.prep.progress), rank)
@@ -408,7 +443,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
             directory = root / split
             directory.mkdir(parents=True, exist_ok=True)
             if done:
-                progress.update(len(convs), 0)
+                progress.update(size(convs) if regen else len(convs), 0)
                 continue
             examples: dict = {}
             records, dropped = build_records(
@@ -437,7 +472,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         progress.close()
     manifests = {}
     for split in SPLITS:
-        n = math.ceil(len(templated[split]) / S)
+        n = len(shards[split])
         (root / split).mkdir(parents=True, exist_ok=True)
         manifests[split] = cache_mod.write_manifest(root / split, n, {**header, "split": split})
         if manifests[split] is not None:  # Σ over the shards' labels: the same bytes from any rank
@@ -467,7 +502,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
 def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str, Any]:
     complete = all(m is not None for m in manifests.values())
     dropped = Counter(data.stats.dropped)
-    truncated = turns = closed = 0
+    truncated = turns = closed = rerendered = template_errors = 0
     totals = {"conversations": 0, "tokens": 0, "assistant_tokens": 0, "bytes": 0}
     per_split = {}
     examples = dict(data.stats.examples)
@@ -482,6 +517,8 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         truncated += dropped.pop("regen_truncated_turns", 0)
         turns += dropped.pop("regen_turns", 0)
         closed += dropped.pop("regen_closed_by_template", 0)
+        rerendered += dropped.pop("regen_rerendered_turns", 0)
+        template_errors += dropped.pop("regen_template_errors", 0)
         per_split[split] = {"conversations": m["num_records"], "tokens": m["num_tokens"],
                             "assistant_tokens": m["num_assistant_tokens"], "bytes": m["bytes"]}
         totals["conversations"] += m["num_records"]
@@ -502,6 +539,8 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         "regen_truncated_turns": truncated,
         "regen_turns": turns,
         "regen_closed_by_template": closed,
+        "regen_rerendered_turns": rerendered,
+        "regen_template_errors": template_errors,
         "replaced_bytes": data.stats.replaced_bytes,
         "replaced_records": data.stats.replaced_records,
         "unparsed_bytes": data.stats.unparsed_bytes if data.stats.finished else None,
@@ -533,6 +572,12 @@ def format_summary(s: dict[str, Any]) -> str:
         if s.get("regen_closed_by_template"):
             lines.append(f"  ended by another eos of the base, closed with the template's end-of-turn: "
                          f"{s['regen_closed_by_template']:,}")
+        if s.get("regen_rerendered_turns"):
+            lines.append(f"  later turns whose context the template re-rendered (it rewrites earlier replies; a new "
+                         f"record each): {s['regen_rerendered_turns']:,}")
+        if s.get("regen_template_errors"):
+            lines.append(f"  conversations ended because the template raised on a regenerated reply: "
+                         f"{s['regen_template_errors']:,}")
     elif s.get("regen_truncated_turns"):  # a cache written before replies were counted
         lines.append(f"regenerated turns cut by prep.max_new_tokens / data.max_length (no end-of-turn): "
                      f"{s['regen_truncated_turns']:,}")

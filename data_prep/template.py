@@ -65,6 +65,7 @@ class Segment:
     ids: list[int]
     header: int = 0  # tokens before the body (assistant turns)
     body: int = 0    # assistant tokens (loss mask True); 0 for other roles
+    turn: int = -1   # the assistant turn's index in the conversation's messages
 
 
 def _render_text(tokenizer, messages: Sequence[dict], conversation_id: str, add_generation_prompt: bool = False) -> str:
@@ -245,9 +246,10 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
         if max_length is not None and prompt_len >= max_length:
             break
         if cur is not None and ids[: len(cur)] == cur:
-            records[-1].append(Segment("assistant", ids[len(cur):], header=prompt_len - len(cur), body=end - prompt_len))
+            records[-1].append(Segment("assistant", ids[len(cur):], header=prompt_len - len(cur), body=end - prompt_len,
+                                       turn=i))
         else:
-            records.append([Segment("assistant", ids, header=prompt_len, body=end - prompt_len)])
+            records.append([Segment("assistant", ids, header=prompt_len, body=end - prompt_len, turn=i)])
         cur = ids
         if max_length is not None and len(ids) >= max_length:
             break

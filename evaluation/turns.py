@@ -4,18 +4,11 @@ MT-bench's turn 2 is asked after the model's own turn-1 answer.  In a lossless c
 answer is vanilla greedy decoding's (every lossless method produces the same tokens), so turn 2's
 prompt is identical for every method and is built once from the vanilla pass of turn 1.
 
-The prompt is the chat template applied to the conversation so far with the vanilla answers
-(the answer's trailing end-of-sequence token dropped, since the template closes the assistant
-turn itself).  Where the template renders that conversation as an extension of the previous
-turn's prompt followed by the answer verbatim (most templates), the prompt is what a chat server
-with a session KV cache sees: the previous prompt's tokens, then the answer tokens exactly as
-generated, then the template's tokens for the rest (closing the assistant turn, the next user
-turn, the generation prompt) — the answer is never re-tokenized (``rendering`` "extended").
-Where the template rewrites earlier turns (drops or trims earlier content, strips reasoning from
-earlier answers, as several real templates do), no prompt can hold the answer token for token,
-and the prompt is the template's own tokenization of the whole conversation (``rendering``
-"re-rendered").  Either way the text of the prompt equals the template rendered over the decoded
-answers.  Only a turn the template cannot render at all (it raises) has no correct prompt: that
+The prompt is the chat template applied to the conversation so far with the vanilla answers, by
+:func:`core.follow_up.follow_up` (the rule regeneration's later turns use too): the previous prompt,
+the answer tokens as generated and the template's tail where the template extends the previous prompt
+(``rendering`` "extended"), else the template's tokenization of the whole conversation (it rewrites
+earlier turns: ``rendering`` "re-rendered").  Only a turn the template cannot render at all (it raises) has no correct prompt: that
 turn, and the later turns that depend on it, are skipped and listed with the reason
 (:func:`follow_up_prompt` raises :class:`evaluation.prompts.PromptError`).
 """
@@ -25,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from core.chat_template import apply_chat_template
+from core.follow_up import follow_up
 from evaluation.prompts import Prompt, PromptError
 
 
@@ -33,10 +26,6 @@ def turn_id(prompt_id: str, turn: int) -> str:
     """The progress/record id of a prompt's ``turn`` (1-based): the prompt id for turn 1 (so
     first-turn results keep their ids), ``<id>/turn<k>`` after."""
     return str(prompt_id) if turn == 1 else f"{prompt_id}/turn{turn}"
-
-
-def _render(tokenizer, messages: list[dict[str, str]]) -> str:
-    return apply_chat_template(tokenizer, messages, tokenize=False, add_generation_prompt=True)
 
 
 def follow_up_prompt(tokenizer, prompt: Prompt, answer_tokens: Sequence[int], eos_ids: Sequence[int]) -> Prompt:
@@ -65,37 +54,20 @@ def follow_up_prompt(tokenizer, prompt: Prompt, answer_tokens: Sequence[int], eo
     base_id = prompt.id.rsplit("/turn", 1)[0] if prompt.turn > 1 else prompt.id
     if not prompt.follow_ups:
         raise PromptError(f"prompt {prompt.id!r}: no follow-up turn after turn {prompt.turn}")
-    answer = [int(t) for t in answer_tokens]
-    eos = {int(e) for e in eos_ids}
-    while answer and answer[-1] in eos:
-        answer.pop()
-    answer_text = tokenizer.decode(answer, skip_special_tokens=False)
-    messages = list(prompt.messages) + [{"role": "assistant", "content": answer_text},
-                                        {"role": "user", "content": prompt.follow_ups[0]}]
     new_id = turn_id(base_id, prompt.turn + 1)
+    user = {"role": "user", "content": prompt.follow_ups[0]}
     try:
-        head_text = _render(tokenizer, prompt.messages)
-        full_text = _render(tokenizer, messages)
+        nxt = follow_up(tokenizer, prompt.messages, prompt.input_ids.reshape(-1).tolist(), answer_tokens, [user],
+                        eos_ids)
     except Exception as exc:  # noqa: BLE001 — jinja's TemplateError, a template's raise_exception, ...
         raise PromptError(f"prompt {new_id!r}: the chat template cannot render this conversation "
                           f"({type(exc).__name__}: {exc})") from exc
-    if full_text.startswith(head_text + answer_text):  # the session-cache prompt: the answer as generated
-        tail = tokenizer(full_text[len(head_text) + len(answer_text):], add_special_tokens=False)["input_ids"]
-        ids = torch.cat([prompt.input_ids.reshape(-1), torch.tensor(answer + list(tail), dtype=torch.long)])
-        rendering = "extended"
-    else:  # the template rewrites earlier turns: its own rendering is the prompt
-        from evaluation.prompts import template
-
-        try:
-            ids = template(tokenizer, messages)
-        except Exception as exc:  # noqa: BLE001
-            raise PromptError(f"prompt {new_id!r}: the chat template cannot tokenize this conversation "
-                              f"({type(exc).__name__}: {exc})") from exc
-        rendering = "re-rendered"
-    if ids.numel() == 0:
+    if not nxt.ids:
         raise PromptError(f"prompt {new_id!r}: the chat template renders this conversation empty")
-    return Prompt(new_id, messages, ids, prompt.category, tuple(prompt.follow_ups[1:]), prompt.turn + 1,
-                  rendering=rendering)
+    messages = list(prompt.messages) + [{"role": "assistant", "content": nxt.answer_text}, user]
+    return Prompt(new_id, messages, torch.tensor(nxt.ids, dtype=torch.long), prompt.category,
+                  tuple(prompt.follow_ups[1:]), prompt.turn + 1,
+                  rendering="extended" if nxt.extended else "re-rendered")
 
 
 def turns_to_run(setting, prompt: Prompt) -> int:

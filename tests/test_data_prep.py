@@ -13,7 +13,7 @@ from data_prep import cache as cache_mod
 from data_prep import pipeline
 from data_prep.cache import CacheReader, collate, default_cache_dir, rank_world
 from data_prep.labels import regenerate
-from data_prep.template import end_of_turn_ids, segment_conversation
+from data_prep.template import end_of_turn_ids
 
 WORDS = ["The quick brown fox", "jumps over the lazy dog.", "Hello! How can I help you today?",
          "Please write a short poem about the sea.", "def add(a, b):", "return a + b", "1 2 3 4 5",
@@ -164,37 +164,62 @@ def test_rank_world_from_torchrun_or_slurm():
         rank_world({"RANK": "4", "WORLD_SIZE": "4"})
 
 
-def _reference_regeneration(model, segments, eos, max_new_tokens, max_length):
-    """Unbatched reference: HF ``generate`` (greedy, KV cache) one conversation and one turn at a time."""
-    ids, mask = [], []
-    for seg in segments:
-        if seg.role != "assistant":
-            ids += seg.ids
-            mask += [False] * len(seg.ids)
-            continue
-        prompt = ids + seg.ids[: seg.header]
-        if len(prompt) >= max_length or len(ids) >= max_length:
+def regen_sources_of(tok, convs, eos, max_length):
+    """:class:`data_prep.labels.RegenSource` of each conversation whose first reply starts within
+    ``max_length`` (the turns templating keeps), as data prep builds them."""
+    from data_prep.front import template_conversations
+    from data_prep.labels import regen_sources
+    from data_prep.sharegpt import ReadStats
+
+    return regen_sources(list(template_conversations(tok, convs, eos, max_length, ReadStats())))
+
+
+def _reference_regeneration(model, tok, source, eos, max_new_tokens, max_length):
+    """Unbatched reference: the evaluation's multi-turn prompts (``evaluation.turns.follow_up_prompt``,
+    each turn's prompt built from the answers before it), each answered by HF ``generate`` at batch 1
+    (greedy, its own KV cache).  A turn whose prompt does not extend the previous record starts a new
+    record; the last reply is closed as the template renders the conversation ending there."""
+    from core.follow_up import follow_up
+    from evaluation.prompts import Prompt, template
+    from evaluation.turns import follow_up_prompt
+
+    msgs, turns = source.messages, source.turns
+    user_turns = tuple(msgs[u]["content"] for u in turns[1:] for u in [u - 1])
+    prompt = Prompt(source.id, msgs[:turns[0]], template(tok, msgs[:turns[0]]), follow_ups=user_turns)
+    records, ids, mask = [], prompt.input_ids.tolist(), [False] * prompt.input_ids.numel()
+    for k in range(len(turns)):
+        context = prompt.input_ids.tolist()
+        if k and prompt.rendering == "re-rendered":
+            records.append((ids[:max_length], mask[:max_length]))
+            ids, mask = list(context), [False] * len(context)
+        elif k:
+            mask += [False] * (len(context) - len(ids))
+            ids = list(context)
+        if len(ids) >= max_length:
             break
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=min(max_new_tokens, max_length - len(prompt)),
-                             eos_token_id=sorted(eos), pad_token_id=2)[0, len(prompt):].tolist()
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=min(max_new_tokens, max_length - len(ids)),
+                             eos_token_id=sorted(eos), pad_token_id=2)[0, len(ids):].tolist()
         body = []
         for t in out:
             body.append(t)
             if t in eos:
                 break
-        if body[-1] in eos and seg.body and seg.ids[seg.header + seg.body - 1] in eos:
-            body[-1] = seg.ids[seg.header + seg.body - 1]  # the template closes the turn with its own token
-        ids = prompt + body
-        mask += [False] * seg.header + [True] * len(body)
+        ids, mask = ids + body, mask + [True] * len(body)
         if body[-1] not in eos:
             break
-        footer = seg.ids[seg.header + seg.body:]
-        ids += footer
-        mask += [False] * len(footer)
-        if len(ids) >= max_length:
+        if k + 1 == len(turns) or follow_up_prompt(tok, prompt, body, sorted(eos)).rendering == "re-rendered":
+            close = follow_up(tok, prompt.messages, context, body, [], eos)  # the conversation ends with this reply
+            if close.extended and close.tail:
+                ids, mask = ids[:-1] + close.tail, mask + [False] * (len(close.tail) - 1)
+        if k + 1 == len(turns):
             break
-    return ids[:max_length], mask[:max_length]
+        prompt = follow_up_prompt(tok, prompt, body, sorted(eos))
+        if prompt.rendering == "extended":
+            ids[len(ids) - 1] = prompt.input_ids[len(ids) - 1].item()  # the template's closing token
+    if any(mask):
+        records.append((ids[:max_length], mask[:max_length]))
+    return records
 
 
 def test_regenerate_equals_the_base_models_own_greedy_continuation(tiny_base, data_file):
@@ -203,16 +228,17 @@ def test_regenerate_equals_the_base_models_own_greedy_continuation(tiny_base, da
 
     convs = list(iter_conversations(data_file))[:6]
     eos = end_of_turn_ids(tok, model)
-    segs = [segment_conversation(tok, c.messages, c.id, eos, 160) for c in convs]
+    sources = regen_sources_of(tok, convs, eos, 160)
     # the random tiny model rarely emits <|im_end|>; treat a token it does emit as end-of-turn too,
     # so multi-turn regeneration (footer + next user turn) is exercised
-    first = regenerate(model, tok, segs[:1], eos, 6, 160)[0]
+    (first,), = regenerate(model, tok, sources[:1], eos, 6, 160)[:1]
     eos = eos | {first[0][[i for i, m in enumerate(first[1]) if m][2]]}
-    segs = [segment_conversation(tok, c.messages, c.id, eos, 160) for c in convs]
-    got = regenerate(model, tok, segs, eos, 12, 160, batch_size=4)
-    ref = [_reference_regeneration(model, s, eos, 12, 160) for s in segs]
+    sources = regen_sources_of(tok, convs, eos, 160)
+    got = regenerate(model, tok, sources, eos, 12, 160, batch_size=4)
+    ref = [_reference_regeneration(model, tok, s, eos, 12, 160) for s in sources]
     assert got == ref
-    assert any(sum(1 for a, b in zip(m, m[1:]) if b and not a) > 1 for _, m in got)  # some multi-turn
+    assert all(len(r) == 1 for r in got)  # ChatML: one record per conversation
+    assert any(sum(1 for a, b in zip(m, m[1:]) if b and not a) > 1 for (_, m), in got)  # some multi-turn
 
 
 def test_regenerate_pipeline_labels_match_generated_tokens(tiny_base, tiny_model_dir, data_file, tmp_path):
@@ -302,24 +328,25 @@ def test_full_length_regeneration_equals_batch_1_greedy_and_counts_truncated_tur
 
     convs = list(iter_conversations(data_file))[:8]
     eos = end_of_turn_ids(tok, model)
-    segs = [segment_conversation(tok, c.messages, c.id, eos, 96) for c in convs]
+    sources = regen_sources_of(tok, convs, eos, 96)
     # the random model never emits <|im_end|>: with the full-length default every first turn runs
     # to max_length, is counted, and is not given an end-of-turn it did not generate
     stats = Counter()
-    got = regenerate(model, tok, segs, eos, None, 96, batch_size=3, stats=stats)
-    assert got == [_reference_regeneration(model, s, eos, 10**9, 96) for s in segs]
-    assert stats["truncated_turns"] == len(segs)
-    for ids, mask in got:
+    got = regenerate(model, tok, sources, eos, None, 96, batch_size=3, stats=stats)
+    assert got == [_reference_regeneration(model, tok, s, eos, 10**9, 96) for s in sources]
+    assert stats["truncated_turns"] == len(sources)
+    for (ids, mask), in got:
         assert len(ids) == 96 and mask[-1] and ids[-1] not in eos and all(mask[mask.index(True):])
     # a token it does emit as end-of-turn too: multi-turn, full length, equal to batch-1 greedy
-    first = regenerate(model, tok, segs[:1], eos, 6, 96)[0]
+    (first,), = regenerate(model, tok, sources[:1], eos, 6, 96)
     eos = eos | {first[0][[i for i, m in enumerate(first[1]) if m][2]]}
-    segs = [segment_conversation(tok, c.messages, c.id, eos, 96) for c in convs]
+    sources = regen_sources_of(tok, convs, eos, 96)
     stats = Counter()
-    got = regenerate(model, tok, segs, eos, None, 96, batch_size=3, stats=stats)
-    assert got == [_reference_regeneration(model, s, eos, 10**9, 96) for s in segs]
-    assert stats["truncated_turns"] == sum(1 for ids, m in got if m[-1] and ids[-1] not in eos)
-    assert any(sum(1 for a, b in zip(m, m[1:]) if b and not a) > 1 for _, m in got)  # some multi-turn
+    got = regenerate(model, tok, sources, eos, None, 96, batch_size=3, stats=stats)
+    assert got == [_reference_regeneration(model, tok, s, eos, 10**9, 96) for s in sources]
+    records = [r for recs in got for r in recs]
+    assert stats["truncated_turns"] == sum(1 for ids, m in records if m[-1] and ids[-1] not in eos)
+    assert any(sum(1 for a, b in zip(m, m[1:]) if b and not a) > 1 for _, m in records)  # some multi-turn
 
 
 def test_empty_source_fails_before_the_model_loads_or_a_directory_exists(tmp_path):

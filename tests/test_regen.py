@@ -3,6 +3,7 @@ its cached logits equal a fresh forward, a regeneration killed mid-shard resumes
 and the summary / progress bar state the replies cut."""
 from __future__ import annotations
 
+import bisect
 import copy
 import hashlib
 import json
@@ -17,9 +18,10 @@ from data_prep import labels as labels_mod
 from data_prep import pipeline
 from data_prep.cache import CacheReader, default_cache_dir
 from data_prep.labels import regenerate
-from data_prep.template import end_of_turn_ids, segment_conversation
+from data_prep.template import end_of_turn_ids
 from tests.test_data_prep import _conversations as data_prep_conversations
 from tests.test_data_prep import _reference_regeneration as reference_regeneration
+from tests.test_data_prep import regen_sources_of
 
 
 def _conversations(n: int) -> list[dict]:
@@ -56,27 +58,13 @@ def _messages(data_file, n):
     return list(iter_conversations(data_file))[:n]
 
 
-def _segments(tok, convs, eos, max_length):
-    """Template segments of the conversations whose first reply starts within ``max_length``."""
-    from data_prep.template import TemplateError
-
-    out = []
-    for c in convs:
-        try:
-            out.append(segment_conversation(tok, c.messages, c.id, eos, max_length))
-        except TemplateError:
-            pass
-    return out
-
-
 def _eos_emitted(model, tok, convs, max_length):
     """The tiny random model almost never emits <|im_end|>; add a token it does emit as an
     end-of-turn id (never as a reply's first token, mostly a few tokens in), so turns end at
     different steps and conversations go on to later turns."""
     eos = end_of_turn_ids(tok, model)
-    segs = _segments(tok, convs, eos, max_length)
-    out = regenerate(model, tok, segs, eos, 12, max_length, batch_size=4)
-    replies = [[t for t, m in zip(ids, mask) if m] for ids, mask in out]
+    out = regenerate(model, tok, regen_sources_of(tok, convs, eos, max_length), eos, 12, max_length, batch_size=4)
+    replies = [[t for t, m in zip(ids, mask) if m] for recs in out for ids, mask in recs]
     firsts = {r[0] for r in replies if r}
     score = Counter()
     for r in replies:
@@ -86,10 +74,10 @@ def _eos_emitted(model, tok, convs, max_length):
     return eos | {min(score, key=lambda t: (-score[t], t))}
 
 
-def _batch1_greedy(model, segments, eos, max_new_tokens, max_length):
+def _batch1_greedy(model, tok, source, eos, max_new_tokens, max_length):
     """Reference: HF ``generate`` at batch 1 (greedy, its own KV cache), one turn at a time
     (test_data_prep's reference; ``max_new_tokens=None``: up to ``max_length``)."""
-    return reference_regeneration(model, segments, eos, 10**9 if max_new_tokens is None else max_new_tokens,
+    return reference_regeneration(model, tok, source, eos, 10**9 if max_new_tokens is None else max_new_tokens,
                                   max_length)
 
 
@@ -135,8 +123,8 @@ def test_continuous_batching_equals_batch_1_greedy(varied, data_file, monkeypatc
     max_length = 160 if max_new_tokens else 112  # full length: every turn runs on to max_length or eos
     convs = _messages(data_file, 10)
     eos = _eos_emitted(model, tok, convs, max_length)
-    segs = _segments(tok, convs, eos, max_length)
-    want = [_batch1_greedy(model, s, eos, max_new_tokens, max_length) for s in segs]
+    segs = regen_sources_of(tok, convs, eos, max_length)
+    want = [_batch1_greedy(model, tok, s, eos, max_new_tokens, max_length) for s in segs]
     # every conversation in its own slot from the start: rows finish in any order, and the busy
     # rows are packed into the first slots (moved) as others end
     packed = _Spy(monkeypatch)
@@ -162,17 +150,18 @@ def test_continuous_batching_equals_batch_1_greedy(varied, data_file, monkeypatc
         any(len(set(f["fed"])) > 1 for f in spy.forwards if f["decode"])
     assert any(not f["decode"] and any(fed > 0 for fed in f["fed"]) for f in spy.forwards), "no turn continued in place"
     assert any(len(set(f["fed"])) > 1 for f in spy.forwards if f["decode"])
-    assert stats["turns"] == sum(sum(1 for a, b in zip([False] + m, m) if b and not a) for _, m in got)
-    assert any(sum(1 for a, b in zip(m, m[1:]) if b and not a) > 1 for _, m in got)  # some multi-turn
-    assert stats["truncated_turns"] == sum(1 for ids, m in got if m and m[-1] and ids[-1] not in eos)
-    assert stats["generated_tokens"] == sum(sum(m) for _, m in got)
+    records = [r for recs in got for r in recs]
+    assert stats["turns"] == sum(sum(1 for a, b in zip([False] + m, m) if b and not a) for _, m in records)
+    assert any(sum(1 for a, b in zip(m, m[1:]) if b and not a) > 1 for _, m in records)  # some multi-turn
+    assert stats["truncated_turns"] == sum(1 for ids, m in records if m and m[-1] and ids[-1] not in eos)
+    assert stats["generated_tokens"] == sum(sum(m) for _, m in records)
 
 
 def test_batch_size_does_not_change_fp32_tokens(varied, data_file):
     model, tok, _ = varied
     convs = _messages(data_file, 9)
     eos = _eos_emitted(model, tok, convs, 96)
-    segs = _segments(tok, convs, eos, 96)
+    segs = regen_sources_of(tok, convs, eos, 96)
     one = regenerate(model, tok, segs, eos, 8, 96, batch_size=1)
     assert regenerate(model, tok, segs, eos, 8, 96, batch_size=4) == one
     assert regenerate(model, tok, segs, eos, 8, 96, batch_size=64) == one
@@ -190,7 +179,7 @@ def test_every_forward_of_the_slot_cache_equals_a_fresh_forward(varied, data_fil
     model64 = copy.deepcopy(model).double()
     convs = _messages(data_file, 7)
     eos = _eos_emitted(model, tok, convs, 96)
-    segs = _segments(tok, convs, eos, 96)
+    segs = regen_sources_of(tok, convs, eos, 96)
     real = labels_mod._Regenerator._forward
     checked = [0]
 
@@ -231,7 +220,7 @@ def test_attention_implementation_is_restored(varied, data_file):
     assert model.config._attn_implementation == "eager"
     convs = _messages(data_file, 2)
     eos = end_of_turn_ids(tok, model)
-    segs = _segments(tok, convs, eos, 96)
+    segs = regen_sources_of(tok, convs, eos, 96)
     seen = []
     regenerate(model, tok, segs, eos, 2, 96, on_generated=lambda n: seen.append(model.config._attn_implementation))
     assert seen and set(seen) == {"sdpa"} and model.config._attn_implementation == "eager"
@@ -355,7 +344,7 @@ def test_finite_value_guard_drops_and_counts_a_regenerated_conversation(varied, 
 
     def regen(*args, **kwargs):
         out = real_regen(*args, **kwargs)
-        outputs.update({tuple(ids): list(mask) for ids, mask in out})
+        outputs.update({tuple(ids): list(mask) for recs in out for ids, mask in recs})
         return out
 
     def ff(model_, seqs, pad_id, layers, **kw):
@@ -407,7 +396,11 @@ def test_a_reply_ended_by_another_eos_is_closed_as_the_template_closes_it():
             {"role": "assistant", "content": "The quick brown fox"},
             {"role": "user", "content": "Please write a short poem about the sea."},
             {"role": "assistant", "content": "jumps over the lazy dog."}]
-    segs = segment_conversation(tok, msgs, "c", eot, 200)
+    from data_prep.front import template_conversations
+    from data_prep.labels import regen_sources
+    from data_prep.sharegpt import Conversation, ReadStats
+
+    templated = list(template_conversations(tok, [Conversation("c", msgs)], eot, 200, ReadStats()))
     calls = {"n": 0}
 
     def endoftext_at_step_5(module, inputs, out):  # the 4th generated token of turn 1 is <|endoftext|>
@@ -419,7 +412,7 @@ def test_a_reply_ended_by_another_eos_is_closed_as_the_template_closes_it():
 
     hook = model.lm_head.register_forward_hook(endoftext_at_step_5)
     stats: Counter = Counter()
-    (ids, mask), = regenerate(model, tok, [segs], eot, 8, 200, stats=stats)
+    ((ids, mask),), = regenerate(model, tok, regen_sources(templated), eot, 8, 200, stats=stats)
     hook.remove()
     starts = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]
     end1 = max(k for k in range(starts[0], starts[1]) if mask[k])
@@ -429,11 +422,9 @@ def test_a_reply_ended_by_another_eos_is_closed_as_the_template_closes_it():
     generated = ids[starts[0]:end1] + [0]  # what vanilla decoding emitted
     assert ids[:starts[1]] == follow_up_prompt(tok, first, generated, sorted(eot)).input_ids.tolist()
     # data prep counts it, and the summary says so
-    from data_prep.front import TemplatedConversation
-
     calls["n"] = 0
     hook = model.lm_head.register_forward_hook(endoftext_at_step_5)
-    records, counts = pipeline.build_records(model, tok, [TemplatedConversation("c", "c", segs)], labels_mode="regenerate",
+    records, counts = pipeline.build_records(model, tok, templated, labels_mode="regenerate",
                                              max_length=200, max_new_tokens=8, layers=[], final_layer=4,
                                              batch_tokens=4096, gen_batch_size=1)
     hook.remove()
@@ -443,3 +434,97 @@ def test_a_reply_ended_by_another_eos_is_closed_as_the_template_closes_it():
                                     "bytes_per_token": 1.0, "regen_turns": 2, "regen_truncated_turns": 0,
                                     "regen_closed_by_template": 1, "unparsed_bytes": None})
     assert "ended by another eos of the base, closed with the template's end-of-turn: 1" in text
+
+
+# -- templates that rewrite history: later turns follow the regenerated replies ----------------
+
+def _with_template(tok, name):
+    from tests.test_data_prep_views import TEMPLATES
+
+    out = copy.deepcopy(tok)
+    out.chat_template = TEMPLATES[name]
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen3_like", "deepseek_r1_like", "trim_earlier_replies"])
+def test_history_rewriting_templates_regenerate_each_turn_from_the_regenerated_replies(varied, data_file, name):
+    """Every turn's context is the evaluation's multi-turn prompt over the *regenerated* replies
+    (evaluation.turns.follow_up_prompt), never the dataset's: a template that re-renders the history
+    starts a new record from its own rendering of the regenerated conversation; one that extends it
+    keeps one record, even where the dataset's replies forced a split."""
+    from data_prep.front import template_conversations
+    from data_prep.sharegpt import ReadStats
+    from evaluation.prompts import template
+
+    model, chatml, _ = varied
+    tok = _with_template(chatml, name)
+    convs = _messages(data_file, 10)
+    eos = _eos_emitted(model, tok, convs, 160)
+    sources = regen_sources_of(tok, convs, eos, 160)
+    stats = Counter()
+    got = regenerate(model, tok, sources, eos, 10, 160, batch_size=3, stats=stats)
+    assert got == [reference_regeneration(model, tok, s, eos, 10, 160) for s in sources]
+    turns_written = sum(sum(1 for a, b in zip([False] + m, m) if b and not a) for recs in got for _, m in recs)
+    assert turns_written == stats["turns"] and any(len(s.turns) > 1 for s in sources)
+    continued = [(s, recs) for s, recs in zip(sources, got) if sum(
+        sum(1 for a, b in zip([False] + m, m) if b and not a) for _, m in recs) > 1]
+    assert continued, "no conversation reached a second turn"
+    if name == "qwen3_like":
+        # the dataset's replies render differently in history (their empty think block), so templating
+        # splits the conversations; the regenerated replies hold no reasoning and extend the prompt
+        split = list(template_conversations(tok, convs, eos, 160, ReadStats()))
+        assert len(split) > len(sources) and all(len(recs) == 1 for _, recs in continued)
+        assert stats["rerendered_turns"] == 0
+    else:
+        assert stats["rerendered_turns"] > 0 and any(len(recs) > 1 for _, recs in continued)
+        # the second record's context: the template over the regenerated first reply, not the dataset's
+        differs = 0
+        for s, recs in continued:
+            if len(recs) < 2:  # a reply of at most 6 characters: the trimming template kept it whole
+                continue
+            ids, mask = recs[1]
+            context = ids[:mask.index(True)]
+            differs += context != template(tok, s.messages[: s.turns[1]]).tolist()
+        assert differs > 0
+
+
+def test_shards_keep_a_conversations_records_together_under_regeneration():
+    from data_prep.front import TemplatedConversation
+
+    recs = [TemplatedConversation(i, c, [], []) for i, c in
+            [("a", "a"), ("b", "b"), ("b#1", "b"), ("b#2", "b"), ("c", "c"), ("d", "d"), ("d#1", "d")]]
+    by_conv = pipeline.shard_records(recs, 2, by_conversation=True)
+    assert [[r.id for r in s] for s in by_conv] == [["a", "b", "b#1", "b#2"], ["c", "d", "d#1"]]
+    assert [[r.id for r in s] for s in pipeline.shard_records(recs, 2)] == [["a", "b"], ["b#1", "b#2"], ["c", "d"],
+                                                                            ["d#1"]]
+
+
+def test_regenerated_cache_under_a_history_rewriting_template(varied, varied_dir, data_file, tmp_path):
+    """Data prep writes the records of a re-rendered conversation as ``<id>``, ``<id>#1``, ... in one
+    shard, every generated token the base's greedy label at the position before it (an end-of-turn the
+    template closes with its own token excepted), and counts the re-rendered turns."""
+    model, chatml, ident = varied
+    tok = _with_template(chatml, "trim_earlier_replies")
+    eos = _eos_emitted(model, tok, _messages(data_file, 14), 96)
+    old = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = sorted(eos)  # a token the random base emits ends its turns
+    try:
+        cfg = _cfg(varied_dir, data_file, tmp_path)
+        summary = pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
+    finally:
+        model.generation_config.eos_token_id = old
+    assert summary["regen_rerendered_turns"] > 0
+    assert "later turns whose context the template re-rendered" in pipeline.format_summary(summary)
+    ids, shards = [], {}
+    for split in ("train", "val"):
+        reader = CacheReader(default_cache_dir(cfg) / split)
+        for i in range(len(reader)):
+            r = reader[i]
+            ids.append(r["id"])
+            shards.setdefault(r["id"].split("#")[0], set()).add((split, bisect.bisect_right(reader._starts, i)))
+            pos = r["loss_mask"].nonzero().flatten()
+            generated = [int(p) for p in pos if int(r["input_ids"][p]) not in eos]
+            assert generated and all(int(r["labels"][p - 1]) == int(r["input_ids"][p]) for p in generated)
+    later = [i for i in ids if "#" in i]
+    assert later and all(i.split("#")[0] in ids for i in later)
+    assert all(len(v) == 1 for v in shards.values())  # a conversation's records in one shard
