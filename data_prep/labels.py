@@ -188,34 +188,48 @@ class RegenSource:
     turns: list[int]
 
 
-def regen_sources(records) -> list[RegenSource]:
+def same_conversation(a, b) -> bool:
+    """Two templated records (:class:`data_prep.front.TemplatedConversation`) of one conversation: the
+    same messages object (records of one conversation share it; two conversations that repeat an id
+    do not)."""
+    return a is not None and b is not None and a.messages is b.messages and a.messages is not None
+
+
+def regen_sources(records, stats: Counter | None = None) -> list[RegenSource]:
     """Group templated records (:class:`data_prep.front.TemplatedConversation`, a conversation's records
-    adjacent) into one :class:`RegenSource` per conversation: the assistant turns templating kept, from
-    the first kept one up to the first it dropped.
+    adjacent, as :func:`data_prep.front.template_conversations` yields them) into one
+    :class:`RegenSource` per conversation: the assistant turns templating kept, from the first kept one
+    (earlier turns stay as the dataset wrote them) up to the first it dropped.  Conversations that
+    repeat an id stay apart.
+
+    Args:
+        records: templated records carrying their ``messages``.
+        stats: optional counter; ``turns_after_a_dropped_turn`` counts kept turns left out because an
+            earlier turn was dropped (their context would hold a reply no regeneration wrote).
 
     Raises:
-        ValueError: a record carries no ``messages``, or a conversation's records are not adjacent.
+        ValueError: a record carries no ``messages``.
     """
-    out: list[RegenSource] = []
-    kept: dict[str, list[int]] = {}
+    groups: list[list] = []
     for rec in records:
         if rec.messages is None:
             raise ValueError(f"record {rec.id!r} carries no messages: regeneration renders later turns from them")
-        cid = rec.conversation_id
-        if cid not in kept:
-            kept[cid] = []
-            out.append(RegenSource(cid, rec.messages, []))
-        elif out[-1].id != cid:
-            raise ValueError(f"the records of conversation {cid!r} are not adjacent")
-        kept[cid].extend(seg.turn for seg in rec.segments if seg.body)
-    for src in out:
-        assistant = [i for i, m in enumerate(src.messages) if m["role"] == "assistant"]
-        turns = kept[src.id]
+        if groups and same_conversation(groups[-1][-1], rec):
+            groups[-1].append(rec)
+        else:
+            groups.append([rec])
+    out: list[RegenSource] = []
+    for group in groups:
+        messages = group[0].messages
+        turns = [seg.turn for rec in group for seg in rec.segments if seg.body]
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         start = assistant.index(turns[0]) if turns and turns[0] in assistant else len(assistant)
         n = 0
         while n < len(turns) and start + n < len(assistant) and turns[n] == assistant[start + n]:
             n += 1
-        src.turns.extend(turns[:n])
+        if stats is not None and n < len(turns):
+            stats["turns_after_a_dropped_turn"] += len(turns) - n
+        out.append(RegenSource(group[0].conversation_id, messages, turns[:n]))
     return out
 
 
@@ -245,6 +259,7 @@ class _Regenerator:
         self.model, self.tokenizer, self.convs, self.eos = model, tokenizer, convs, set(int(e) for e in eos_ids)
         self.max_new, self.max_length, self.pad_id = max_new_tokens, max_length, pad_id
         self.on_generated, self.on_done, self.stats = on_generated, on_done, stats
+        self.errors: dict[str, str] = {}  # the first message per counted fault
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.plan = _Plan(slots)
@@ -307,8 +322,11 @@ class _Regenerator:
             nxt = follow_up(self.tokenizer, c.messages[:t], prompt, answer, following, self.eos)
             closing = nxt if (last or nxt.extended) else follow_up(self.tokenizer, c.messages[:t], prompt, answer,
                                                                    [], self.eos)
-        except Exception:  # noqa: BLE001 — the template cannot render the regenerated reply: keep what is written
+        except Exception as exc:  # noqa: BLE001 — jinja's TemplateError, raise_exception, a filter's TypeError, ...
+            # the template cannot render the regenerated reply: keep what is written, count it, name the first
             self.stats["template_errors"] += 1
+            self.errors.setdefault("template_errors", f"conversation {c.source.id!r}, turn {t}: "
+                                                      f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             return self._finish(c)
         c.messages[t] = {**c.messages[t], "content": nxt.answer_text}
         if closing.extended:
@@ -459,7 +477,7 @@ def _fast_attention(model):
 @torch.inference_mode()
 def regenerate(model, tokenizer, conversations: Sequence[RegenSource], eos_ids: set[int], max_new_tokens: int | None,
                max_length: int, batch_size: int = 16, on_generated=None, stats: Counter | None = None,
-               on_done=None) -> list[list[tuple[list[int], list[bool]]]]:
+               on_done=None, errors: dict[str, str] | None = None) -> list[list[tuple[list[int], list[bool]]]]:
     """Greedily regenerate every assistant turn with the base model (``labels=regenerate``).
 
     Each conversation's turns (``RegenSource.turns``) are written in order, each from the context
@@ -515,6 +533,8 @@ def regenerate(model, tokenizer, conversations: Sequence[RegenSource], eos_ids: 
             ``rerendered_turns`` (turns whose context the template re-rendered: a new record) and
             ``template_errors`` (conversations ended because the template raised on a regenerated
             reply) are added.
+        errors: optional dict; receives the first message per counted fault (``template_errors``:
+            the conversation, the turn and the template's exception).
 
     Returns:
         per conversation its records, each ``(input_ids, loss_mask)`` of at most ``max_length``
@@ -538,4 +558,7 @@ def regenerate(model, tokenizer, conversations: Sequence[RegenSource], eos_ids: 
                               max(1, min(batch_size, len(convs))), pad_id, on_generated, on_done, stats)
         with _fast_attention(model):
             engine.run(order)
+        if errors is not None:
+            for key, message in engine.errors.items():
+                errors.setdefault(key, message)
     return [c.records for c in convs]

@@ -25,7 +25,7 @@ from core.io import atomic_write_json
 from data_prep import cache as cache_mod
 from data_prep import label_counts
 from data_prep.features import FeatureDefinition
-from data_prep.labels import forward_features, regen_sources, regenerate
+from data_prep.labels import forward_features, regen_sources, regenerate, same_conversation
 from data_prep.front import (SPLITS, SplitConversations, TemplatedConversation, heldout_prompts,  # noqa: F401
                               read_split, template_split)
 from data_prep.template import end_of_turn_ids, pad_token_id
@@ -216,7 +216,9 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         ``regenerate``, ``regen_turns`` (replies regenerated), ``regen_closed_by_template`` (replies ended by
         another eos than the template's, closed with the template's token), ``regen_truncated_turns`` (replies
         cut by the budget, left without an end-of-turn), ``regen_rerendered_turns`` (later turns whose context
-        the template re-rendered) and ``regen_template_errors``, all counted as generated, before the
+        the template re-rendered), ``regen_template_errors`` (conversations ended because the template raised on
+        a regenerated reply, the first named on stderr) and ``regen_turns_after_a_dropped_turn`` (kept turns
+        not regenerated because an earlier turn was dropped), all counted as generated, before the
         guard drops a conversation.  ``examples`` (optional dict) receives the
         first dropped conversation per guard reason: ``{reason: {"id", "layer", "position", "value"}}``.
     """
@@ -226,14 +228,19 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
     items = []
     if labels_mode == "regenerate":
         stats: Counter = progress.shard_stats() if progress is not None else Counter()
-        sources = regen_sources(convs)
+        sources = regen_sources(convs, stats)
+        errors: dict[str, str] = {}
         regenerated = regenerate(model, tokenizer, sources, eos, max_new_tokens, max_length, gen_batch_size,
                                  on_generated=progress.generated if progress is not None else None,
-                                 on_done=progress.regenerated if progress is not None else None, stats=stats)
+                                 on_done=progress.regenerated if progress is not None else None, stats=stats,
+                                 errors=errors)
+        for key, message in errors.items():
+            print(f"data prep: regeneration ended {message} (counted as regen_{key})", file=sys.stderr)
         for key, count in (("regen_turns", stats["turns"]), ("regen_truncated_turns", stats["truncated_turns"]),
                            ("regen_closed_by_template", stats["turns_closed_by_template"]),
                            ("regen_rerendered_turns", stats["rerendered_turns"]),
-                           ("regen_template_errors", stats["template_errors"])):
+                           ("regen_template_errors", stats["template_errors"]),
+                           ("regen_turns_after_a_dropped_turn", stats["turns_after_a_dropped_turn"])):
             if count or key == "regen_turns":
                 counts[key] += count
         for src, records in zip(sources, regenerated):
@@ -291,11 +298,11 @@ def shard_records(records: Sequence[TemplatedConversation], shard_size: int, by_
     seen = 0
     last = None
     for rec in records:
-        if rec.conversation_id != last:
+        if not same_conversation(last, rec):
             if seen % shard_size == 0:
                 shards.append([])
             seen += 1
-            last = rec.conversation_id
+        last = rec
         shards[-1].append(rec)
     return shards
 
@@ -432,8 +439,9 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
             index += 1
 
     def size(convs) -> int:  # what a shard adds to the bar: conversations (regenerate) or templated tokens
-        return len({c.conversation_id for c in convs}) if regen else sum(sum(len(s.ids) for s in c.segments)
-                                                                        for c in convs)
+        if regen:
+            return sum(1 for prev, c in zip([None, *convs], convs) if not same_conversation(prev, c))
+        return sum(sum(len(s.ids) for s in c.segments) for c in convs)
 
     finished = [cache_mod.finished_entry(root / split, k, chash) is not None for split, k, _ in todo]
     progress = _Progress(sum(size(cs) for _, _, cs in todo), sum(size(cs) for (_, _, cs), f in zip(todo, finished) if f),
@@ -502,7 +510,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
 def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str, Any]:
     complete = all(m is not None for m in manifests.values())
     dropped = Counter(data.stats.dropped)
-    truncated = turns = closed = rerendered = template_errors = 0
+    truncated = turns = closed = rerendered = template_errors = after_dropped = 0
     totals = {"conversations": 0, "tokens": 0, "assistant_tokens": 0, "bytes": 0}
     per_split = {}
     examples = dict(data.stats.examples)
@@ -519,6 +527,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         closed += dropped.pop("regen_closed_by_template", 0)
         rerendered += dropped.pop("regen_rerendered_turns", 0)
         template_errors += dropped.pop("regen_template_errors", 0)
+        after_dropped += dropped.pop("regen_turns_after_a_dropped_turn", 0)
         per_split[split] = {"conversations": m["num_records"], "tokens": m["num_tokens"],
                             "assistant_tokens": m["num_assistant_tokens"], "bytes": m["bytes"]}
         totals["conversations"] += m["num_records"]
@@ -541,6 +550,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         "regen_closed_by_template": closed,
         "regen_rerendered_turns": rerendered,
         "regen_template_errors": template_errors,
+        "regen_turns_after_a_dropped_turn": after_dropped,
         "replaced_bytes": data.stats.replaced_bytes,
         "replaced_records": data.stats.replaced_records,
         "unparsed_bytes": data.stats.unparsed_bytes if data.stats.finished else None,
@@ -578,6 +588,9 @@ def format_summary(s: dict[str, Any]) -> str:
         if s.get("regen_template_errors"):
             lines.append(f"  conversations ended because the template raised on a regenerated reply: "
                          f"{s['regen_template_errors']:,}")
+        if s.get("regen_turns_after_a_dropped_turn"):
+            lines.append(f"  turns not regenerated because an earlier turn was dropped (its reply would be the "
+                         f"dataset's): {s['regen_turns_after_a_dropped_turn']:,}")
     elif s.get("regen_truncated_turns"):  # a cache written before replies were counted
         lines.append(f"regenerated turns cut by prep.max_new_tokens / data.max_length (no end-of-turn): "
                      f"{s['regen_truncated_turns']:,}")

@@ -167,7 +167,8 @@ def test_batch_size_does_not_change_fp32_tokens(varied, data_file):
     assert regenerate(model, tok, segs, eos, 8, 96, batch_size=64) == one
 
 
-def test_every_forward_of_the_slot_cache_equals_a_fresh_forward(varied, data_file, monkeypatch):
+@pytest.mark.parametrize("template_name", ["chatml", "deepseek_r1_like"])
+def test_every_forward_of_the_slot_cache_equals_a_fresh_forward(varied, data_file, monkeypatch, template_name):
     """The logits after each row's fed tokens (left-padded prefills, refilled slots, turns appended
     in place, rows moved between slots) equal a full forward of that row's tokens so far.
 
@@ -176,6 +177,8 @@ def test_every_forward_of_the_slot_cache_equals_a_fresh_forward(varied, data_fil
     EPYC a fresh forward is itself up to 5e-5 off at logits of about 8; a stale or misplaced cache
     entry is off by O(1)."""
     model, tok, _ = varied
+    if template_name != "chatml":  # a template that re-renders history: re-rendered records refill their slot
+        tok = _with_template(tok, template_name)
     model64 = copy.deepcopy(model).double()
     convs = _messages(data_file, 7)
     eos = _eos_emitted(model, tok, convs, 96)
@@ -199,8 +202,10 @@ def test_every_forward_of_the_slot_cache_equals_a_fresh_forward(varied, data_fil
         return logits
 
     monkeypatch.setattr(labels_mod._Regenerator, "_forward", forward)
-    regenerate(model, tok, segs, eos, 6, 96, batch_size=3)
+    stats = Counter()
+    regenerate(model, tok, segs, eos, 6, 96, batch_size=3, stats=stats)
     assert checked[0] > 30
+    assert (stats["rerendered_turns"] > 0) == (template_name != "chatml")
 
 
 def test_sliding_window_narrower_than_max_length_is_refused(varied):
@@ -489,14 +494,33 @@ def test_history_rewriting_templates_regenerate_each_turn_from_the_regenerated_r
 
 
 def test_shards_keep_a_conversations_records_together_under_regeneration():
+    """A conversation's records (one messages list) share a shard; two conversations that repeat an id
+    (a mixture whose sources both number their records) stay two conversations."""
     from data_prep.front import TemplatedConversation
+    from data_prep.labels import regen_sources
+    from data_prep.template import Segment
 
-    recs = [TemplatedConversation(i, c, [], []) for i, c in
-            [("a", "a"), ("b", "b"), ("b#1", "b"), ("b#2", "b"), ("c", "c"), ("d", "d"), ("d#1", "d")]]
+    def conv(cid, n_records, turns=(1, 3, 5)):
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{cid}{i}"} for i in range(6)]
+        return [TemplatedConversation(cid if k == 0 else f"{cid}#{k}", cid,
+                                      [Segment("assistant", [1, 2, 3], header=1, body=2, turn=t)
+                                       for t in turns[k::n_records]], msgs) for k in range(n_records)]
+
+    recs = conv("a", 1) + conv("b", 3) + conv("c", 1) + conv("a", 2) + conv("d", 1)
     by_conv = pipeline.shard_records(recs, 2, by_conversation=True)
-    assert [[r.id for r in s] for s in by_conv] == [["a", "b", "b#1", "b#2"], ["c", "d", "d#1"]]
-    assert [[r.id for r in s] for s in pipeline.shard_records(recs, 2)] == [["a", "b"], ["b#1", "b#2"], ["c", "d"],
-                                                                            ["d#1"]]
+    assert [[r.id for r in s] for s in by_conv] == [["a", "b", "b#1", "b#2"], ["c", "a", "a#1"], ["d"]]
+    assert [[r.id for r in s] for s in pipeline.shard_records(recs, 2)] == [["a", "b"], ["b#1", "b#2"], ["c", "a"],
+                                                                            ["a#1", "d"]]
+    sources = regen_sources(recs)
+    # the second "a" holds its turns out of order (1, 5 in one record, 3 in the next): only turn 1 is consecutive
+    assert [(s.id, s.turns) for s in sources] == [("a", [1, 3, 5]), ("b", [1, 3, 5]), ("c", [1, 3, 5]), ("a", [1]),
+                                                  ("d", [1, 3, 5])]
+    assert sources[3].messages is recs[5].messages and sources[0].messages is not sources[3].messages
+    # a kept turn after a dropped one is left out (its context would hold the dataset's reply) and counted
+    stats = Counter()
+    gap = regen_sources(conv("e", 1, turns=(1, 5)), stats)
+    assert gap[0].turns == [1] and stats["turns_after_a_dropped_turn"] == 1
+    assert regen_sources(conv("f", 1, turns=(3, 5)))[0].turns == [3, 5]  # from the first kept turn
 
 
 def test_regenerated_cache_under_a_history_rewriting_template(varied, varied_dir, data_file, tmp_path):
@@ -528,3 +552,27 @@ def test_regenerated_cache_under_a_history_rewriting_template(varied, varied_dir
     later = [i for i in ids if "#" in i]
     assert later and all(i.split("#")[0] in ids for i in later)
     assert all(len(v) == 1 for v in shards.values())  # a conversation's records in one shard
+
+
+def test_a_regenerated_reply_the_template_cannot_render_ends_its_conversation_counted_and_named(varied, data_file):
+    """A template that raises on the base's reply (here: on any reply that does not open like the
+    dataset's) ends that conversation after the reply, keeps what was written, counts it and names
+    the first; the other conversations go on."""
+    model, chatml, _ = varied
+    tok = copy.deepcopy(chatml)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m.role == 'assistant' and m.content[:2] not in "
+        "['Th', 'ju', 'He', 'Pl', 'de', 're', '1 ', 'Sp', 'an'] %}{{ raise_exception('not a dataset reply') }}"
+        "{% endif %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    convs = _messages(data_file, 8)
+    eos = _eos_emitted(model, chatml, convs, 160)
+    sources = regen_sources_of(tok, convs, eos, 160)
+    assert any(len(s.turns) > 1 for s in sources)
+    stats, errors = Counter(), {}
+    got = regenerate(model, tok, sources, eos, 10, 160, batch_size=3, stats=stats, errors=errors)
+    ended = [recs for recs in got if recs and recs[-1][0][-1] in eos]  # replies that ended: their template raised
+    assert stats["template_errors"] == len(ended) > 0
+    assert all(len(recs) == 1 and sum(1 for a, b in zip([False] + m, m) if b and not a) == 1
+               for recs in ended for _, m in recs)  # one reply written, nothing after it
+    assert "not a dataset reply" in errors["template_errors"] and "turn 1" in errors["template_errors"]
