@@ -507,10 +507,22 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     return summary
 
 
+#: regeneration counts the summary lists under the replies regenerated (key, what it counts)
+REGEN_DETAILS = (
+    ("regen_closed_by_template", "ended by another eos of the base, closed with the template's end-of-turn"),
+    ("regen_rerendered_turns", "later turns whose context the template re-rendered (it rewrites earlier replies; "
+                               "a new record each)"),
+    ("regen_template_errors", "conversations ended because the template raised on a regenerated reply"),
+    ("regen_turns_after_a_dropped_turn", "turns not regenerated because an earlier turn was dropped (its reply "
+                                         "would be the dataset's)"),
+)
+
+
 def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str, Any]:
     complete = all(m is not None for m in manifests.values())
     dropped = Counter(data.stats.dropped)
-    truncated = turns = closed = rerendered = template_errors = after_dropped = 0
+    truncated = turns = 0
+    details = Counter()
     totals = {"conversations": 0, "tokens": 0, "assistant_tokens": 0, "bytes": 0}
     per_split = {}
     examples = dict(data.stats.examples)
@@ -524,10 +536,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
                                                                         f"position {ex['position']}"})
         truncated += dropped.pop("regen_truncated_turns", 0)
         turns += dropped.pop("regen_turns", 0)
-        closed += dropped.pop("regen_closed_by_template", 0)
-        rerendered += dropped.pop("regen_rerendered_turns", 0)
-        template_errors += dropped.pop("regen_template_errors", 0)
-        after_dropped += dropped.pop("regen_turns_after_a_dropped_turn", 0)
+        details.update({key: dropped.pop(key, 0) for key, _ in REGEN_DETAILS})
         per_split[split] = {"conversations": m["num_records"], "tokens": m["num_tokens"],
                             "assistant_tokens": m["num_assistant_tokens"], "bytes": m["bytes"]}
         totals["conversations"] += m["num_records"]
@@ -547,10 +556,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         "fix_examples": dict(sorted(data.stats.fix_examples.items())),
         "regen_truncated_turns": truncated,
         "regen_turns": turns,
-        "regen_closed_by_template": closed,
-        "regen_rerendered_turns": rerendered,
-        "regen_template_errors": template_errors,
-        "regen_turns_after_a_dropped_turn": after_dropped,
+        **{key: details[key] for key, _ in REGEN_DETAILS},
         "replaced_bytes": data.stats.replaced_bytes,
         "replaced_records": data.stats.replaced_records,
         "unparsed_bytes": data.stats.unparsed_bytes if data.stats.finished else None,
@@ -579,18 +585,7 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"regenerated replies: {s['regen_turns']:,}, cut by prep.max_new_tokens / data.max_length "
                      f"(no end-of-turn): {s['regen_truncated_turns']:,} "
                      f"({100 * s['regen_truncated_turns'] / s['regen_turns']:.1f}%)")
-        if s.get("regen_closed_by_template"):
-            lines.append(f"  ended by another eos of the base, closed with the template's end-of-turn: "
-                         f"{s['regen_closed_by_template']:,}")
-        if s.get("regen_rerendered_turns"):
-            lines.append(f"  later turns whose context the template re-rendered (it rewrites earlier replies; a new "
-                         f"record each): {s['regen_rerendered_turns']:,}")
-        if s.get("regen_template_errors"):
-            lines.append(f"  conversations ended because the template raised on a regenerated reply: "
-                         f"{s['regen_template_errors']:,}")
-        if s.get("regen_turns_after_a_dropped_turn"):
-            lines.append(f"  turns not regenerated because an earlier turn was dropped (its reply would be the "
-                         f"dataset's): {s['regen_turns_after_a_dropped_turn']:,}")
+        lines += [f"  {label}: {s[key]:,}" for key, label in REGEN_DETAILS if s.get(key)]
     elif s.get("regen_truncated_turns"):  # a cache written before replies were counted
         lines.append(f"regenerated turns cut by prep.max_new_tokens / data.max_length (no end-of-turn): "
                      f"{s['regen_truncated_turns']:,}")
