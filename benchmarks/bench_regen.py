@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from core.config import compose  # noqa: E402
-from data_prep.labels import regen_sources, regenerate  # noqa: E402
+from data_prep.labels import conversation_groups, regen_sources, regenerate  # noqa: E402
 from data_prep.pipeline import read_split, shard_records, template_split  # noqa: E402
 from data_prep.template import end_of_turn_ids  # noqa: E402
 
@@ -247,7 +247,7 @@ def main() -> None:
         if not prepack_row_consistent(model):
             raise SystemExit(f"--prepacked: this CPU cannot pack {args.dtype} linear weights row-consistently")
     header.update({"model": args.model_path or "SmolLM2-135M-Instruct (packaged)", "dtype": args.dtype,
-                   "prepacked": bool(args.prepacked), "conversations": sum(len({c.conversation_id for c in s}) for s in shards)})
+                   "prepacked": bool(args.prepacked), "conversations": sum(len(conversation_groups(s)) for s in shards)})
     print(json.dumps(header), flush=True)
     rows, turns = sweep(model, tok, shards, eos, args, sizes, args.dtype)
     results["rows"] += rows

@@ -76,6 +76,6 @@ def follow_up(tokenizer, messages: Sequence[dict], prompt_ids: Iterable[int], an
     if full_text.startswith(head_text + answer_text):
         tail = list(tokenizer(full_text[len(head_text) + len(answer_text):], add_special_tokens=False)["input_ids"])
         return FollowUp([int(t) for t in prompt_ids] + answer + tail, answer_text, True, tail)
-    ids = apply_chat_template(tokenizer, conversation, tokenize=True, return_dict=False,
-                              add_generation_prompt=generation_prompt)
+    # the rendered text tokenized as apply_chat_template(tokenize=True) does (no special tokens added)
+    ids = tokenizer(full_text, add_special_tokens=False)["input_ids"]
     return FollowUp([int(t) for t in ids], answer_text, False, [])

@@ -188,19 +188,29 @@ class RegenSource:
     turns: list[int]
 
 
-def same_conversation(a, b) -> bool:
-    """Two templated records (:class:`data_prep.front.TemplatedConversation`) of one conversation: the
-    same messages object (records of one conversation share it; two conversations that repeat an id
-    do not)."""
-    return a is not None and b is not None and a.messages is b.messages and a.messages is not None
+def conversation_groups(records) -> list[list]:
+    """Templated records (:class:`data_prep.front.TemplatedConversation`) grouped by conversation: the
+    adjacent records that share one messages list, as :func:`data_prep.front.template_conversations`
+    yields a conversation's records (two conversations that repeat an id stay apart).
+
+    Raises:
+        ValueError: a record carries no ``messages``.
+    """
+    groups: list[list] = []
+    for rec in records:
+        if rec.messages is None:
+            raise ValueError(f"record {rec.id!r} carries no messages: regeneration renders later turns from them")
+        if groups and groups[-1][-1].messages is rec.messages:
+            groups[-1].append(rec)
+        else:
+            groups.append([rec])
+    return groups
 
 
 def regen_sources(records, stats: Counter | None = None) -> list[RegenSource]:
-    """Group templated records (:class:`data_prep.front.TemplatedConversation`, a conversation's records
-    adjacent, as :func:`data_prep.front.template_conversations` yields them) into one
-    :class:`RegenSource` per conversation: the assistant turns templating kept, from the first kept one
-    (earlier turns stay as the dataset wrote them) up to the first it dropped.  Conversations that
-    repeat an id stay apart.
+    """One :class:`RegenSource` per conversation of the templated records (:func:`conversation_groups`):
+    the assistant turns templating kept, from the first kept one (earlier turns stay as the dataset
+    wrote them) up to the first it dropped.
 
     Args:
         records: templated records carrying their ``messages``.
@@ -210,16 +220,8 @@ def regen_sources(records, stats: Counter | None = None) -> list[RegenSource]:
     Raises:
         ValueError: a record carries no ``messages``.
     """
-    groups: list[list] = []
-    for rec in records:
-        if rec.messages is None:
-            raise ValueError(f"record {rec.id!r} carries no messages: regeneration renders later turns from them")
-        if groups and same_conversation(groups[-1][-1], rec):
-            groups[-1].append(rec)
-        else:
-            groups.append([rec])
     out: list[RegenSource] = []
-    for group in groups:
+    for group in conversation_groups(records):
         messages = group[0].messages
         turns = [seg.turn for rec in group for seg in rec.segments if seg.body]
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]

@@ -25,7 +25,7 @@ from core.io import atomic_write_json
 from data_prep import cache as cache_mod
 from data_prep import label_counts
 from data_prep.features import FeatureDefinition
-from data_prep.labels import forward_features, regen_sources, regenerate, same_conversation
+from data_prep.labels import conversation_groups, forward_features, regen_sources, regenerate
 from data_prep.front import (SPLITS, SplitConversations, TemplatedConversation, heldout_prompts,  # noqa: F401
                               read_split, template_split)
 from data_prep.template import end_of_turn_ids, pad_token_id
@@ -294,17 +294,8 @@ def shard_records(records: Sequence[TemplatedConversation], shard_size: int, by_
     conversation is one record, so both ways give the same shards."""
     if not by_conversation:
         return [list(records[k:k + shard_size]) for k in range(0, len(records), shard_size)]
-    shards: list[list[TemplatedConversation]] = []
-    seen = 0
-    last = None
-    for rec in records:
-        if not same_conversation(last, rec):
-            if seen % shard_size == 0:
-                shards.append([])
-            seen += 1
-        last = rec
-        shards[-1].append(rec)
-    return shards
+    groups = conversation_groups(records)
+    return [[rec for group in groups[k:k + shard_size] for rec in group] for k in range(0, len(groups), shard_size)]
 
 
 def refuse_different_cache(root: Path, cfg) -> None:
@@ -440,7 +431,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
 
     def size(convs) -> int:  # what a shard adds to the bar: conversations (regenerate) or templated tokens
         if regen:
-            return sum(1 for prev, c in zip([None, *convs], convs) if not same_conversation(prev, c))
+            return len(conversation_groups(convs))
         return sum(sum(len(s.ids) for s in c.segments) for c in convs)
 
     finished = [cache_mod.finished_entry(root / split, k, chash) is not None for split, k, _ in todo]
