@@ -21,7 +21,6 @@ from typing import Sequence
 
 import torch
 
-from core.chat_template import apply_chat_template
 from core.follow_up import follow_up
 from data_prep.template import pad_token_id
 
@@ -181,11 +180,14 @@ class RegenSource:
         turns: indices in ``messages`` of the assistant turns to write, in order: consecutive
             assistant turns (a turn that templating dropped ends the list, since every later
             context holds its reply).
+        prompt: the token ids of ``turns[0]``'s generation prompt, as templating rendered them (the
+            header of its first segment); empty when ``turns`` is.
     """
 
     id: str
     messages: list[dict]
     turns: list[int]
+    prompt: list[int]
 
 
 def conversation_groups(records) -> list[list]:
@@ -231,7 +233,9 @@ def regen_sources(records, stats: Counter | None = None) -> list[RegenSource]:
             n += 1
         if stats is not None and n < len(turns):
             stats["turns_after_a_dropped_turn"] += len(turns) - n
-        out.append(RegenSource(group[0].conversation_id, messages, turns[:n]))
+        first = group[0].segments[0] if n else None
+        out.append(RegenSource(group[0].conversation_id, messages, turns[:n],
+                               list(first.ids[: first.header]) if first is not None else []))
     return out
 
 
@@ -277,10 +281,7 @@ class _Regenerator:
         """Queue ``c``'s first turn (its generation prompt); False when it has none within ``max_length``."""
         if not c.source.turns:
             return False
-        t = c.source.turns[0]
-        prompt = apply_chat_template(self.tokenizer, c.messages[:t], tokenize=True, return_dict=False,
-                                     add_generation_prompt=True)
-        c.ids, c.mask, c.fed = [int(i) for i in prompt], [False] * len(prompt), 0
+        c.ids, c.mask, c.fed = list(c.source.prompt), [False] * len(c.source.prompt), 0
         return self._open_turn(c)
 
     def _open_turn(self, c: _Conv) -> bool:
@@ -340,7 +341,6 @@ class _Regenerator:
             self.stats["rerendered_turns"] += 1
             self._finish(c)
             c.ids, c.mask, c.fed = list(nxt.ids), [False] * len(nxt.ids), 0  # the slot is refilled from column 0
-            return self._open_turn(c)
         return self._open_turn(c)
 
     def _emit(self, c: _Conv, tok: int) -> bool:
