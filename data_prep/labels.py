@@ -310,7 +310,7 @@ class _Regenerator:
             return
         if tail[0] != c.ids[-1]:
             c.ids[-1] = tail[0]
-            self.stats["turns_closed_by_template"] += 1
+            self.stats["closed_by_template"] += 1
         c.ids.extend(tail[1:])
         c.mask.extend([False] * (len(tail) - 1))
 
@@ -531,7 +531,7 @@ def regenerate(model, tokenizer, conversations: Sequence[RegenSource], eos_ids: 
         on_done: optional callback ``f(n_conversations)`` when conversations end (all of them, in
             schedule order); an exception raised by either callback stops the regeneration.
         stats: optional counter; ``generated_tokens``, ``turns`` (regenerated replies),
-            ``truncated_turns`` (replies cut by the budget), ``turns_closed_by_template``,
+            ``truncated_turns`` (replies cut by the budget), ``closed_by_template``,
             ``rerendered_turns`` (turns whose context the template re-rendered: a new record) and
             ``template_errors`` (conversations ended because the template raised on a regenerated
             reply) are added.

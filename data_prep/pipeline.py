@@ -236,11 +236,8 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
                                  errors=errors)
         for key, message in errors.items():
             print(f"data prep: regeneration ended {message} (counted as regen_{key})", file=sys.stderr)
-        for key, count in (("regen_turns", stats["turns"]), ("regen_truncated_turns", stats["truncated_turns"]),
-                           ("regen_closed_by_template", stats["turns_closed_by_template"]),
-                           ("regen_rerendered_turns", stats["rerendered_turns"]),
-                           ("regen_template_errors", stats["template_errors"]),
-                           ("regen_turns_after_a_dropped_turn", stats["turns_after_a_dropped_turn"])):
+        for key in ("regen_turns", "regen_truncated_turns", *(k for k, _ in REGEN_DETAILS)):
+            count = stats[key.removeprefix("regen_")]  # regenerate()'s and regen_sources' counter names
             if count or key == "regen_turns":
                 counts[key] += count
         for src, records in zip(sources, regenerated):

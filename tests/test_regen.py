@@ -421,7 +421,7 @@ def test_a_reply_ended_by_another_eos_is_closed_as_the_template_closes_it():
     hook.remove()
     starts = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]
     end1 = max(k for k in range(starts[0], starts[1]) if mask[k])
-    assert ids[end1] == 2 and stats["turns_closed_by_template"] == 1  # generated 0, closed as the template does
+    assert ids[end1] == 2 and stats["closed_by_template"] == 1  # generated 0, closed as the template does
     first = Prompt("c", msgs[:1], template(tok, msgs[:1]), follow_ups=(msgs[2]["content"],))
     assert first.input_ids.tolist() == ids[:starts[0]]
     generated = ids[starts[0]:end1] + [0]  # what vanilla decoding emitted
