@@ -181,7 +181,7 @@ class RegenSource:
             assistant turns (a turn that templating dropped ends the list, since every later
             context holds its reply).
         prompt: the token ids of ``turns[0]``'s generation prompt, as templating rendered them (the
-            header of its first segment); empty when ``turns`` is.
+            segments before it in its record, then its header); empty when ``turns`` is.
     """
 
     id: str
@@ -233,10 +233,21 @@ def regen_sources(records, stats: Counter | None = None) -> list[RegenSource]:
             n += 1
         if stats is not None and n < len(turns):
             stats["turns_after_a_dropped_turn"] += len(turns) - n
-        first = group[0].segments[0] if n else None
         out.append(RegenSource(group[0].conversation_id, messages, turns[:n],
-                               list(first.ids[: first.header]) if first is not None else []))
+                               _generation_prompt(group, turns[0]) if n else []))
     return out
+
+
+def _generation_prompt(group, turn: int) -> list[int]:
+    """The token ids before ``turn``'s body in the record that holds it: the record's earlier
+    segments (a segment without a body included) followed by that segment's header."""
+    for rec in group:
+        ids: list[int] = []
+        for seg in rec.segments:
+            if seg.turn == turn:
+                return ids + list(seg.ids[: seg.header])
+            ids.extend(seg.ids)
+    raise AssertionError(f"conversation {group[0].conversation_id!r}: no segment holds turn {turn}")
 
 
 @dataclass

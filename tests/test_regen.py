@@ -523,6 +523,23 @@ def test_shards_keep_a_conversations_records_together_under_regeneration():
     assert regen_sources(conv("f", 1, turns=(3, 5)))[0].turns == [3, 5]  # from the first kept turn
 
 
+def test_regen_prompt_of_a_first_kept_turn_after_an_empty_reply():
+    """A first segment whose reply rendered no tokens is context, not a turn to write: the first kept
+    turn's generation prompt is every token before its body (that segment whole, then its header)."""
+    from data_prep.front import TemplatedConversation
+    from data_prep.labels import regen_sources
+    from data_prep.template import Segment, flatten
+
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(6)]
+    segments = [Segment("assistant", [10, 11, 12, 13], header=3, body=0, turn=1),
+                Segment("assistant", [20, 21, 22, 23, 24], header=2, body=2, turn=3),
+                Segment("assistant", [30, 31, 32], header=1, body=1, turn=5)]
+    (source,) = regen_sources([TemplatedConversation("z", "z", segments, msgs)])
+    ids, mask = flatten(segments)
+    assert source.turns == [3, 5]
+    assert source.prompt == [10, 11, 12, 13, 20, 21] == ids[: mask.index(True)]
+
+
 def test_regenerated_cache_under_a_history_rewriting_template(varied, varied_dir, data_file, tmp_path):
     """Data prep writes the records of a re-rendered conversation as ``<id>``, ``<id>#1``, ... in one
     shard, every generated token the base's greedy label at the position before it (an end-of-turn the
