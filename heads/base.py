@@ -4,7 +4,7 @@ A draft head is an ``nn.Module`` that
 
 * is built from its config section (``configs/heads/<name>.yaml``) and the base model's
   ``PretrainedConfig`` (:meth:`DraftHead.__init__`);
-* borrows the base model's frozen token embedding, final RMSNorm and LM head through
+* borrows the base model's frozen token embedding, final norm (module) and LM head through
   :meth:`DraftHead.attach_base`.  They are registered as *non-persistent buffers*: never in a
   head checkpoint, never trained, and never partitioned by DeepSpeed ZeRO-3 (which shards
   parameters only), so every rank holds them whole and the export stays readable;
@@ -34,6 +34,19 @@ from core.frozen_linear import FrozenLinear
 #: ``heads`` keys every head accepts (handled here, not by the head class): the draft vocabulary
 #: size N (null = full vocabulary) and its provenance (written by :meth:`DraftHead.set_draft_vocab`).
 SHARED_KEYS = ("draft_vocab_size", "draft_vocab")
+
+
+def frozen_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters are non-persistent buffers: it computes exactly what
+    ``module`` does, is never trained, saved or partitioned by ZeRO-3, and moves with its owner."""
+    import copy
+
+    out = copy.deepcopy(module)
+    for sub in out.modules():
+        for name, p in list(sub._parameters.items()):
+            del sub._parameters[name]
+            sub.register_buffer(name, None if p is None else p.detach(), persistent=False)
+    return out
 
 
 @dataclass(frozen=True)
@@ -84,18 +97,18 @@ class DraftHead(nn.Module):
 
     # -- borrowed frozen weights ---------------------------------------------------------------
     def attach_base(self, base_model) -> None:
-        """Borrow the base model's frozen embedding [V,H], final-norm weight [H] and LM head [V,H].
+        """Borrow the base model's frozen embedding [V,H], final norm and LM head [V,H].
 
-        They become non-persistent buffers ``embed_weight``, ``norm_weight``, ``lm_head_weight``
-        (same dtype as the base).  Call again after moving the base model if needed.
+        The weights become non-persistent buffers ``embed_weight``, ``lm_head_weight`` and the module
+        ``base_norm`` (the base's own final-norm class, its weight a buffer; same dtype as the base).
+        Call again after moving the base model if needed.
         """
         inner = base_model.get_decoder() if hasattr(base_model, "get_decoder") else base_model.model
         emb = base_model.get_input_embeddings().weight.detach()
         head = base_model.get_output_embeddings().weight.detach()
         self.register_buffer("embed_weight", emb, persistent=False)
         self.register_buffer("lm_head_weight", head, persistent=False)
-        self.register_buffer("norm_weight", inner.norm.weight.detach(), persistent=False)
-        self.norm_eps = float(getattr(self.base_config, "rms_norm_eps", 1e-6))
+        self.base_norm = frozen_copy(inner.norm)
         self._slice_draft_lm_head()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -233,10 +246,10 @@ class DraftHead(nn.Module):
         return self.d2t.to(draft_ids.device)[draft_ids]
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """The base model's frozen final RMSNorm (computed in fp32, returned in h's dtype)."""
-        x = h.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        return (self.norm_weight.float() * x).to(h.dtype)
+        """The base model's frozen final norm, run by the base's own module (so a Llama RMSNorm, a
+        Gemma ``(1 + w)`` RMSNorm or any other equals what decoding applies): h [..., H] -> [..., H]
+        in the dtype that module returns (h's dtype for a base of h's dtype)."""
+        return self.base_norm(h)
 
     # -- what each method implements ---------------------------------------------------------
     def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:

@@ -65,6 +65,38 @@ def test_init_is_logit_lens_and_param_count(model):
     assert sum(p.numel() for p in head.parameters() if p.requires_grad) == 3 * H * H
 
 
+def tiny_gemma():
+    """A random 4-layer Gemma: its final RMSNorm scales by (1 + w), not w."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GemmaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    base = GemmaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        base.model.norm.weight.normal_(0, 0.5)
+    return base
+
+
+@pytest.mark.parametrize("base_kind", ["llama", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_exits_use_the_norm_decoding_applies(model, base_kind, dtype):
+    """The exits train on the final norm the AdaDecode decoder applies (the base's own module): a
+    Gemma base's (1 + w) RMSNorm included, and a bf16 base's rounded as the base rounds it."""
+    import copy
+
+    base = copy.deepcopy(model if base_kind == "llama" else tiny_gemma()).to(dtype)
+    head = make_head(base)
+    h = torch.randn(3, 5, base.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        want = base.model.norm(h)
+        assert torch.equal(head.final_norm(h), want)
+        T = head.transforms["2"]  # the head's own dtype (fp32): the exit's input is normalised in it
+        assert torch.equal(head.layer_features(2, h), T(base.model.norm(h.to(T.weight.dtype))).float())
+    assert not any(k.startswith("base_norm") for k in head.trainable_state_dict())
+    assert not any(n.startswith("base_norm") for n, _ in head.named_parameters())
+
+
 def test_kl_zero_when_head_equals_final_layer(model):
     head = make_head(model)
     batch, out, pre = make_batch(model)

@@ -334,7 +334,7 @@ def test_save_load_roundtrip(base, tmp_path):
     assert torch.allclose(head.forward_train(b["hidden"], b["input_ids"], v),
                           head2.forward_train(b["hidden"], b["input_ids"], v), atol=1e-6)
     assert head2.k == 3 and meta["head"]["fuse"] == "lstm"
-    assert not any(k.startswith(("embed_weight", "lm_head_weight", "norm_weight")) for k in head.trainable_state_dict())
+    assert not any(k.startswith(("embed_weight", "lm_head_weight", "base_norm")) for k in head.trainable_state_dict())
 
 
 def test_config_files_compose():
