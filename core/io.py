@@ -99,14 +99,29 @@ def atomic_save_safetensors(
     path: str | os.PathLike,
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Save ``tensors`` (name -> contiguous CPU tensor) as a safetensors file atomically.
+    """Save ``tensors`` (name -> contiguous CPU tensor) as a safetensors file atomically, byte for byte
+    the same for the same tensors and metadata (:func:`safetensors_bytes`).
 
     ``metadata`` values must be strings (a safetensors restriction).
     """
+    atomic_write_bytes(path, safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata))
+
+
+def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """``safetensors.torch.save`` with a canonical header, so that equal tensors and metadata give
+    equal bytes, and a file's SHA-256 identifies its content (checkpoints, cache shards, manifests).
+
+    The library writes ``__metadata__`` in hash-map order, which changes from call to call; the
+    header JSON is rewritten with every key sorted and padded with spaces to 8 bytes, as the format
+    allows.  The tensor data and its offsets are the library's own.
+    """
     from safetensors.torch import save
 
-    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=dict(metadata or {}))
-    atomic_write_bytes(path, data)
+    data = save(dict(tensors), metadata=dict(metadata) if metadata else None)
+    n = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8:8 + n]), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + data[8 + n:]
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

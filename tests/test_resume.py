@@ -175,3 +175,32 @@ def test_sampler_state_skips_consumed_batches():
     u = ShardedBatchSampler(7, 2, 1, shuffle=True, seed=3)
     u.set_epoch(3)
     assert list(t) == list(u)  # the skip ends with its epoch
+
+
+def test_equal_weights_give_equal_bytes(tiny_base, tmp_path):
+    """A file's SHA-256 identifies what it holds (evaluation resume, merges and the auto-tree cache key
+    on it): the same tensors and metadata give the same bytes on every save, whatever order the
+    safetensors library writes its metadata map in."""
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    import heads
+    from core.io import safetensors_bytes, sha256_file
+    from train.checkpoint_io import dumps, loads
+
+    tensors = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "i": torch.arange(5),
+               "h": torch.ones(3).bfloat16()}
+    meta = {"format": "draftheads", "head_type": "falcon", "note": "précis", "a": "1", "z": "2"}
+    blobs = {safetensors_bytes(tensors, meta) for _ in range(16)}
+    assert len(blobs) == 1
+    (blob,) = blobs
+    assert all(torch.equal(load(blob)[k], v) for k, v in tensors.items())
+    (tmp_path / "t.safetensors").write_bytes(blob)
+    with safe_open(tmp_path / "t.safetensors", "pt") as fh:
+        assert fh.metadata() == meta
+    ckpt = {"state_dict": tensors, "global_step": 3, "loops": {"x": [1, 2]}}
+    assert len({dumps(ckpt) for _ in range(8)}) == 1 and loads(dumps(ckpt))["loops"] == {"x": [1, 2]}
+    head = heads.build({"type": "adadecode", "layers": [1, 2]}, tiny_base[0])
+    digests = {sha256_file(heads.save(head, tmp_path / f"h{i}", {"vocab_size": 1}) / "model.safetensors")
+               for i in range(8)}
+    assert len(digests) == 1

@@ -109,7 +109,7 @@ def dumps(checkpoint: dict[str, Any]) -> bytes:
     Raises:
         TypeError: an entry has a type that cannot be stored without pickle (the message names it).
     """
-    from safetensors.torch import save
+    from core.io import safetensors_bytes
 
     enc = _Encoder()
     tree = enc.encode(checkpoint, "checkpoint")
@@ -121,7 +121,7 @@ def dumps(checkpoint: dict[str, Any]) -> bytes:
             enc.tensors[k] = t.clone()
         seen.add(enc.tensors[k].untyped_storage().data_ptr())
     meta = {"format": FORMAT, STATE_KEY: json.dumps(tree, allow_nan=False)}
-    return save(enc.tensors, metadata=meta)
+    return safetensors_bytes(enc.tensors, meta)
 
 
 def loads(data: bytes, source: str = "<bytes>") -> dict[str, Any]:
