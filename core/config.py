@@ -337,17 +337,22 @@ def cli(argv: Sequence[str] | None = None, doc: str | None = None) -> DictConfig
         raise SystemExit(2) from None
 
 
-def run_cli(fn: Callable[[DictConfig], object], argv: Sequence[str] | None = None, doc: str | None = None):
+def run_cli(fn: Callable[[DictConfig], object], argv: Sequence[str] | None = None, doc: str | None = None,
+            interrupted: str = "interrupted (Ctrl-C)"):
     """Compose the config (:func:`cli`), then run ``fn(cfg)``.
 
     A missing input file (``FileNotFoundError``), a :class:`UserInputError` or a :class:`ConfigError`
     found while running (e.g. ``core.precision`` refusing bf16 on this machine), and any other
     ``OSError`` (:func:`describe_os_error`), is printed as one ``error:`` line and exits with 2 instead
-    of a traceback; anything else propagates.
+    of a traceback; a ``KeyboardInterrupt`` (Ctrl-C) prints ``interrupted`` (what is kept and how to
+    go on) and exits with 130; anything else propagates.
     """
     cfg = cli(argv, doc)
     try:
         return fn(cfg)
+    except KeyboardInterrupt:
+        print(f"\n{interrupted}", file=sys.stderr)
+        raise SystemExit(130) from None
     except (FileNotFoundError, UserInputError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -16,7 +16,8 @@ from data_prep.pipeline import prepare
 
 def main(argv=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return run_cli(prepare, argv, __doc__)
+    return run_cli(prepare, argv, __doc__, interrupted="data prep interrupted (Ctrl-C): every shard written is kept; "
+                                                      "run the same command again to resume from there")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ def run_and_report(run: Callable[[], dict[str, Any] | None]) -> int:
         run: runs the evaluation and returns :func:`evaluation.runner.run_evaluation`'s report, or
             ``None`` when there is nothing to summarise (then nothing is printed).
     Returns:
-        The exit status: 0, 1 (parity failure, printed as ``PARITY FAILURE: ...``) or 2 (``error: ...``).
+        The exit status: 0, 1 (parity failure, printed as ``PARITY FAILURE: ...``), 2 (``error: ...``) or
+        130 (Ctrl-C, with no traceback).
     """
     from core.config import describe_os_error
     from evaluation.prompts import PromptError
@@ -35,6 +36,9 @@ def run_and_report(run: Callable[[], dict[str, Any] | None]) -> int:
     except OSError as exc:
         print(f"error: {describe_os_error(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the runner has logged what is kept and how to resume, when decoding had begun
+        print("\nevaluation interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     if result is not None:
         for name, rep in (result["variants"].items() if "variants" in result else [(None, result)]):
             if name:

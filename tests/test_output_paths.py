@@ -93,6 +93,29 @@ def test_run_cli_prints_an_os_error_as_one_line(capsys):
     assert capsys.readouterr().err.strip() == "error: /data/x.tmp: No space left on device"
 
 
+def test_ctrl_c_prints_what_is_kept_without_a_traceback(capsys, monkeypatch):
+    """Ctrl-C in data prep or training (its second one) ends with the command's own line and 130,
+    and in the evaluation with 130 after the runner's resume hint: never a traceback."""
+    from core.config import run_cli
+    from data_prep.__main__ import main as data_prep_main
+    from evaluation.cli import run_and_report
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        run_cli(interrupted, [], interrupted="stopped: the shards written are kept")
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip() == "stopped: the shards written are kept"
+    monkeypatch.setattr("data_prep.__main__.prepare", interrupted)
+    with pytest.raises(SystemExit) as e:
+        data_prep_main([])
+    assert e.value.code == 130 and "every shard written is kept; run the same command again" in capsys.readouterr().err
+    assert run_and_report(lambda: (_ for _ in ()).throw(KeyboardInterrupt())) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "evaluation interrupted (Ctrl-C)" and "Traceback" not in err
+
+
 def test_evaluation_exit_statuses(capsys):
     from evaluation.cli import run_and_report
     from evaluation.runner import ParityError
