@@ -109,6 +109,11 @@ class _Progress:
         self._postfix()
         self.bar.update(conversations)
 
+    def shard_done(self, done: int) -> None:
+        """The running shard is written: the bar stands at the shards done so far, ``done`` in its unit
+        (a shard's templated tokens include those truncation and dropped records never feed)."""
+        self.bar.update(max(0, done - self.bar.n))
+
     def update(self, conversations: int, tokens: int) -> None:
         """``conversations`` holding ``tokens`` tokens have their features (teacher-forced bar: advances)."""
         self.conversations += conversations
@@ -434,6 +439,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     finished = [cache_mod.finished_entry(root / split, k, chash) is not None for split, k, _ in todo]
     progress = _Progress(sum(size(cs) for _, _, cs in todo), sum(size(cs) for (_, _, cs), f in zip(todo, finished) if f),
                          regen, bool(cfg.prep.progress), rank)
+    initial, written = progress.bar.n, 0  # the bar's work: shards on disk, then those written here
     try:
         for (split, k, convs), done in zip(todo, finished):
             directory = root / split
@@ -464,6 +470,8 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
             cache_mod.write_shard(directory, k, tensors, [r["id"] for r in records],
                                   {"config_hash": chash, "dropped": dict(sorted(dropped.items())),
                                    **({"drop_examples": dict(sorted(examples.items()))} if examples else {})})
+            written += size(convs)
+            progress.shard_done(initial + written)
     finally:
         progress.close()
     manifests = {}
