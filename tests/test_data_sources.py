@@ -93,6 +93,22 @@ def test_a_source_without_usable_conversations_is_named(tmp_path):
         read_split(_data_cfg(f"data.path={tmp_path / 'nope.parquet'}"))
 
 
+@pytest.mark.parametrize("path", ["tp/missing.json", "missing.JSONL", "data/sub/missing", "nope.parquet"])
+def test_a_missing_relative_file_is_named_without_asking_the_hub(path, monkeypatch, tmp_path):
+    """A relative path that can only be a local file (a data suffix, or folders) and is not there is
+    refused as a missing file at once: never handed to the hub as a dataset id (retries, then a
+    misleading ConnectionError)."""
+    import datasets
+
+    def hub(*args, **kwargs):
+        raise AssertionError(f"asked the hub for {args}")
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserInputError, match=f"data.path='{path}': no such file or directory"):
+        read_split(_data_cfg(f"data.path={path}"))
+
+
 def test_heldout_split_keeps_the_parts_of_one_conversation_together():
     assert root_id("QWJhYvA_0") == "QWJhYvA" and root_id("abc_12") == "abc" and root_id("record-3") == "record-3"
     cfg_root = _data_cfg("data.heldout_fraction=0.3")
