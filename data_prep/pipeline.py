@@ -556,6 +556,8 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         "replaced_bytes": data.stats.replaced_bytes,
         "replaced_records": data.stats.replaced_records,
         "unparsed_bytes": data.stats.unparsed_bytes if data.stats.finished else None,
+        "unparsed_regions": data.stats.unparsed_regions,
+        "first_unparsed": data.stats.first_unparsed,
     }
 
 
@@ -590,4 +592,8 @@ def format_summary(s: dict[str, Any]) -> str:
                      f"in {s['replaced_records']:,} records")
     if s["unparsed_bytes"] is not None:
         lines.append(f"unparsed bytes in the input file: {s['unparsed_bytes']:,}")
+        first = s.get("first_unparsed")
+        if first:
+            lines[-1] += (f" in {s['unparsed_regions']:,} region(s), skipped (no record there was read); the first: "
+                          f"{first['file']}:{first['line']}, after {first['after_record']:,} records: {first['text']!r}")
     return "\n".join(lines)

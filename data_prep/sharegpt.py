@@ -108,6 +108,9 @@ class ReadStats:
         fix_examples: ``rule -> {"id", "message"}`` of the first record changed by that rule.
         unparsed_bytes: UTF-8 bytes of the file that were not part of any decoded record
             (a truncated tail, corrupt regions); separators and whitespace are not counted.
+        unparsed_regions: how many such regions there were.
+        first_unparsed: where the first one starts, ``{"file", "line", "after_record", "text"}`` (its
+            1-based line, the records decoded before it and its first 60 characters), or None.
         replaced_bytes: bytes that were not valid in ``data.encoding`` (decoded as U+FFFD).
         replaced_records: records holding a U+FFFD when ``replaced_bytes > 0``.
         finished: True once the whole file was read (``unparsed_bytes`` is final only then).
@@ -120,9 +123,20 @@ class ReadStats:
     fixed: Counter = field(default_factory=Counter)
     fix_examples: dict = field(default_factory=dict)
     unparsed_bytes: int = 0
+    unparsed_regions: int = 0
+    first_unparsed: dict | None = None
     replaced_bytes: int = 0
     replaced_records: int = 0
     finished: bool = False
+
+    def unparsed(self, nbytes: int, file: str, line: int, text: str) -> None:
+        """Count one region of ``nbytes`` bytes of ``file`` no record was decoded from, from ``line``."""
+        if nbytes <= 0:
+            return
+        self.unparsed_bytes += nbytes
+        self.unparsed_regions += 1
+        if self.first_unparsed is None:
+            self.first_unparsed = {"file": file, "line": line, "after_record": self.records, "text": text[:60]}
 
     def drop(self, reason: str, record_id: str, message: str = "") -> None:
         """Count one dropped record; remember the first one per reason."""
@@ -145,6 +159,8 @@ class ReadStats:
         for k, v in other.fix_examples.items():
             self.fix_examples.setdefault(k, v)
         self.unparsed_bytes += other.unparsed_bytes
+        self.unparsed_regions += other.unparsed_regions
+        self.first_unparsed = self.first_unparsed or other.first_unparsed
         self.replaced_bytes += other.replaced_bytes
         self.replaced_records += other.replaced_records
 
@@ -236,12 +252,14 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encodi
         buf = ""
         pos = 0
         eof = False
+        lines_before = 0  # newlines in the text compacted out of buf
 
         def fill() -> bool:
-            nonlocal buf, pos, eof
+            nonlocal buf, pos, eof, lines_before
             if eof:
                 return False
             raw = fh.read(_CHUNK_CHARS)
+            lines_before += buf.count("\n", 0, pos)
             if not raw:
                 eof = True
                 buf = buf[pos:] + utf8.decode(b"", final=True)
@@ -250,6 +268,10 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encodi
             buf = buf[pos:] + utf8.decode(raw)
             pos = 0
             return True
+
+        def skipped(start: int, stop: int, strip: str) -> None:  # buf[start:stop] decoded to no record
+            text = buf[start:stop].rstrip(strip)
+            stats.unparsed(_utf8_len(text), str(path), lines_before + buf.count("\n", 0, start) + 1, text)
 
         fill()
         # skip whitespace and an opening '[' of a JSON array
@@ -298,11 +320,11 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encodi
                         continue
                     if _is_record_shaped(cand):
                         obj, end = cand, cand_end
-                        stats.unparsed_bytes += _utf8_len(buf[pos:nxt].rstrip(" \t\r\n,"))
+                        skipped(pos, nxt, " \t\r\n,")
                         break
                     search = cand_end
                 if obj is None:
-                    stats.unparsed_bytes += _utf8_len(buf[pos:].rstrip(" \t\r\n,]"))
+                    skipped(pos, len(buf), " \t\r\n,]")
                     pos = len(buf)
                     break
             pos = end

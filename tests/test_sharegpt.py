@@ -45,6 +45,27 @@ def test_jsonl_with_corrupt_line_and_truncated_tail(tmp_path):
     got = list(iter_records(path, stats))
     assert got == good
     assert stats.unparsed_bytes == len(corrupt.encode()) + 25
+    # both regions are counted, and the first is named by line: what a user opens to mend it
+    assert stats.unparsed_regions == 2
+    assert stats.first_unparsed == {"file": str(path), "line": 3, "after_record": 2, "text": corrupt[:60]}
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 22])
+def test_the_first_unparsed_region_is_named_by_line_across_reads(tmp_path, monkeypatch, chunk):
+    """The line of the first corrupt region is right whatever the read size (the buffer is compacted
+    at every read): a JSON array over many lines, a corrupt record in the middle."""
+    import data_prep.sharegpt as sg
+
+    monkeypatch.setattr(sg, "_CHUNK_CHARS", chunk)
+    good = [_rec(i) for i in range(6)]
+    corrupt = '{"id": "bad", "conversations": [oops'
+    lines = ["["] + [json.dumps(r) + "," for r in good[:4]] + [corrupt + ","] + [json.dumps(r) + "," for r in good[4:]]
+    path = tmp_path / "data.json"
+    path.write_text("\n".join(lines)[:-1] + "\n]\n", encoding="utf-8")
+    stats = ReadStats()
+    assert list(iter_records(path, stats)) == good
+    assert stats.unparsed_regions == 1 and stats.unparsed_bytes == len(corrupt)
+    assert stats.first_unparsed == {"file": str(path), "line": 6, "after_record": 4, "text": corrupt}
 
 
 def test_complete_file_has_no_unparsed_bytes(tmp_path):
