@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -368,6 +368,17 @@ def describe_os_error(exc: OSError) -> str:
         return str(exc)
     files = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else str(exc.filename)
     return f"{files}: {exc.strerror or exc}"
+
+
+def override(key: str, value: Any) -> str:
+    """``key=value`` as a command line takes it, to paste from a message: a list or tuple without
+    spaces (``prep.layers=[2,15,27]``; ``[2, 15, 27]`` would be three shell words), None as ``null``."""
+    def text(v: Any) -> str:
+        if isinstance(v, (list, tuple)):
+            return "[" + ",".join(text(x) for x in v) + "]"
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    return f"{key}={text(value)}"
 
 
 class UserInputError(ValueError):

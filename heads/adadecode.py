@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from core.config import override
 from heads.base import DraftHead, Progress
 from heads.registry import register
 from losses.adadecode import kl_per_token
@@ -184,7 +185,7 @@ class AdaDecodeHead(DraftHead):
             if layer not in aux:
                 raise KeyError(
                     f"batch has no aux_hidden for candidate layer {layer} (cached layers: {sorted(aux)}); "
-                    f"rebuild the cache with prep.layers={list(self.layers)} or set heads.layers to cached layers"
+                    f"rebuild the cache with {override('prep.layers', self.layers)} or set heads.layers to cached layers"
                 )
         mask = batch["loss_mask"].bool()
         hidden = batch["hidden"][mask]

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.config import override
 from heads.base import DraftHead, Progress
 from heads.registry import register
 from losses.eagle3 import TARGETS, soft_cross_entropy, ttt_combine, ttt_loss, ttt_step_masks
@@ -433,7 +434,7 @@ class Eagle3Head(DraftHead):
         missing = [l for l in self.layers if l not in aux]
         if missing:
             raise KeyError(f"the eagle3 head reads hs{self.layers} but the batch's aux_hidden holds layers {sorted(aux)} "
-                           f"(missing {missing}); prepare the cache with prep.layers={self.layers}")
+                           f"(missing {missing}); prepare the cache with {override('prep.layers', self.layers)}")
         return torch.cat([aux[l].to(self.compute_dtype) for l in self.layers], dim=-1)
 
     def _targets(self, batch: dict[str, Any], used: torch.Tensor, masks: list[torch.Tensor]):

@@ -72,5 +72,5 @@ The summary above: parity (speculative output = vanilla greedy, token for token)
 base forward) and the speedup against vanilla decoding in the same run. A 150-step head is a smoke
 test, not a drafter: the heads trained at budget and their tau are in docs/results.md.
 Next: train another head on this cache ($PY -m train heads=falcon_k1 labels=teacher_forced), evaluate it on MT-bench
-(docs/evaluation.md, docs/glossary.md for the questions' file), or run the comparison (bash scripts/compare.sh --dry-run).
+(docs/evaluation.md, docs/glossary.md for the questions' file), or plan the comparison of record (bash scripts/compare.sh --dry-run eval.prompts=/path/to/mt_bench_questions.jsonl).
 EOF_NEXT

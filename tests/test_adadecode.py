@@ -165,7 +165,7 @@ def test_missing_layer_is_named(model):
     head = make_head(model)
     batch, _, _ = make_batch(model)
     del batch["aux_hidden"][2]
-    with pytest.raises(KeyError, match=r"candidate layer 2 .*prep.layers=\[1, 2, 3\]"):
+    with pytest.raises(KeyError, match=r"candidate layer 2 .*prep.layers=\[1,2,3\]"):
         head.training_loss(batch, Progress())
 
 

@@ -85,6 +85,7 @@ def test_cache_without_the_head_layers_fails_before_training(varied_base, tmp_pa
                    f"train.cache_dir={cache}", "train.logger=csv", "train.run_name=t", "train.accelerator=cpu",
                    "train.devices=1", "train.max_steps=2"])
     with pytest.raises(UserInputError, match=r"reads hidden states hs\[2\] but cache split .*train holds layers \[1\]; "
-                                             r"prepare a cache with prep.layers=\[1, 2\]"):
-        train(cfg, base=base)
+                                             r"prepare a cache with prep.layers=\[1,2\] "
+                                             r"\(python -m data_prep prep.layers=\[1,2\] \.\.\.\)"):
+        train(cfg, base=base)  # the suggested override is one shell word, pasteable as printed
     assert not (tmp_path / "runs" / "adadecode" / "t" / "checkpoints").exists()

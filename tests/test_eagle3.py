@@ -346,7 +346,7 @@ def test_defaults_and_bad_config(tiny_base):
     head = _head(base)
     batch = _batch(base, [6])
     del batch["aux_hidden"][2]
-    with pytest.raises(KeyError, match=r"prep.layers=\[1, 2, 3\]"):
+    with pytest.raises(KeyError, match=r"prep.layers=\[1,2,3\]"):
         head.training_loss(batch, heads.Progress())
 
 
@@ -481,7 +481,7 @@ def test_train_reload_and_decode(tiny_base, tiny_model_dir, tmp_path, draft_voca
     # a cache without the feature layers is refused before a run directory is made
     bare = write_random_cache(tmp_path / "bare", tiny_model_dir, n_train=4, n_val=2, length_range=(8, 12))
     args2 = [a.replace(str(cache), str(bare)).replace("run_name=e", "run_name=f") for a in args]
-    with pytest.raises(UserInputError, match=r"prep.layers=\[1, 2, 3\]"):
+    with pytest.raises(UserInputError, match=r"prep.layers=\[1,2,3\]"):
         train(compose(args2), base=tiny_base)
     assert not (tmp_path / "runs" / "eagle3" / "f").exists()
 

@@ -224,7 +224,7 @@ def _train_cfg(tiny_model_dir, data_file, out, *extra):
     (["train.features=hybrid", "data.max_length=4096"],
      r"data.max_length=4096 exceeds the base model's context \(max_position_embeddings=2048\)"),
     (["train.features=online", "heads=adadecode", "heads.layers=[1,3]", "prep.layers=[2]"],
-     r"reads hidden states hs\[1, 3\] .* prep.layers=\[1, 3\]"),
+     r"reads hidden states hs\[1, 3\] .* prep.layers=\[1,3\]"),
 ])
 def test_online_bad_input_is_one_line_before_training(tiny_base, tiny_model_dir, data_file, tmp_path, extra, match):
     from train.run import train

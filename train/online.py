@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from core.config import UserInputError
+from core.config import UserInputError, override
 from train.data import CacheDataModule
 
 MODES = ("offline", "online", "hybrid")
@@ -431,7 +431,7 @@ def check_online_config(cfg, model, head) -> None:
     missing = [l for l in need if l not in layers]
     if missing:
         raise UserInputError(f"the {head.head_type} head reads hidden states hs{missing} but train.features={mode} "
-                             f"computes prep.layers={layers}; pass prep.layers={need}")
+                             f"computes {override('prep.layers', layers)}; pass {override('prep.layers', need)}")
     for key, want in (("hidden_size", getattr(head, "hidden_size", None)), ("vocab_size", getattr(head, "vocab_size", None))):
         have = int(getattr(model.config, key))
         if want is not None and int(want) != have:

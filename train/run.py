@@ -32,7 +32,7 @@ from core.io import make_tmp_dir
 from omegaconf import DictConfig, OmegaConf
 
 import heads
-from core.config import UserInputError, save_config, to_container
+from core.config import UserInputError, override, save_config, to_container
 from train.checkpoint_io import SafetensorsCheckpointIO
 from train.data import CacheDataModule
 from train.module import DraftHeadModule, head_monitor
@@ -468,7 +468,7 @@ def check_cache_layers(head, datamodule) -> None:
         if missing:
             raise UserInputError(f"the {head.head_type} head reads hidden states hs{missing} but cache split "
                                  f"{getattr(reader, 'directory', split)} holds layers {have}; prepare a cache with "
-                                 f"prep.layers={need} (python -m data_prep prep.layers={need} ...)")
+                                 f"{override('prep.layers', need)} (python -m data_prep {override('prep.layers', need)} ...)")
 
 
 def refuse_existing_run(run_dir: Path) -> None:
