@@ -62,6 +62,21 @@ def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, dict[str, str]
     """
     from core.io import sha256_json
 
+    parts, weights = _fingerprint_parts(cfg)
+    return sha256_json(parts), weights
+
+
+def fingerprint_differences(old: DictConfig, new: DictConfig) -> list[str]:
+    """``["eval.turns: '1' -> 'all'", ...]``: the settings in which two evaluation configs differ as
+    :func:`progress_fingerprint` sees them (checkpoints by weights, unfingerprinted keys left out)."""
+    from core.config import flatten_dotted
+
+    a, b = (flatten_dotted(_fingerprint_parts(c)[0]) for c in (old, new))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def _fingerprint_parts(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, dict[str, str]]]:
+    """``(what progress_fingerprint hashes, weights)`` (:func:`progress_fingerprint`)."""
     ev = dict(to_container(cfg.eval))
     # num_prompts / prompt_offset are left out: records are per prompt (checked by token hash), so a
     # larger num_prompts extends a finished evaluation, and shards (prompt_offset) can be combined
@@ -81,10 +96,10 @@ def progress_fingerprint(cfg: DictConfig) -> tuple[str, dict[str, dict[str, str]
         if digest is not None:
             weights[slot] = {"sha256": digest, "path": str(holder["checkpoint"])}
             holder["checkpoint"] = f"<weights[{slot}]>"  # identity = the digest in ``weights``, not the path
-    return sha256_json({"model": to_container(cfg.model) if "model" in cfg else None,
-                        "heads": to_container(cfg.heads) if "heads" in cfg else None,
-                        "data": to_container(cfg.data) if "data" in cfg and not ev.get("prompts") else None,
-                        "eval": ev, "seed": cfg.get("seed")}), weights
+    return {"model": to_container(cfg.model) if "model" in cfg else None,
+            "heads": to_container(cfg.heads) if "heads" in cfg else None,
+            "data": to_container(cfg.data) if "data" in cfg and not ev.get("prompts") else None,
+            "eval": ev, "seed": cfg.get("seed")}, weights
 
 
 def weight_digests(weights: dict[str, Any] | None) -> dict[str, str]:
@@ -144,6 +159,20 @@ def write_progress(path: Path, header: dict[str, Any], records) -> None:
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
+def _differences_note(recorded: Path, config: DictConfig | None) -> str:
+    """`` (eval.turns: '1' -> 'all'; ...)``: how ``config`` differs from the evaluation's recorded
+    ``config.yaml``, or "" when either is missing or unreadable."""
+    if config is None or not recorded.is_file():
+        return ""
+    from omegaconf import OmegaConf
+
+    try:
+        diffs = fingerprint_differences(OmegaConf.load(recorded), config)
+    except Exception:  # noqa: BLE001 — a damaged config.yaml only loses the detail, never the refusal
+        return ""
+    return f" ({'; '.join(diffs[:6])}{'; ...' if len(diffs) > 6 else ''})" if diffs else ""
+
+
 class Progress:
     """Per-prompt results appended to ``progress.jsonl`` as they finish, so an interrupted
     evaluation resumes (``resume=auto``) without decoding finished prompts again.
@@ -159,7 +188,7 @@ class Progress:
             different checkpoint weights.
     """
 
-    def __init__(self, path: Path, fingerprint: tuple[str, dict[str, str]], resume) -> None:
+    def __init__(self, path: Path, fingerprint: tuple[str, dict[str, str]], resume, config: DictConfig | None = None) -> None:
         fingerprint, weights = fingerprint
         self.path, self.records = path, {}
         if resume not in (None, "auto"):
@@ -179,7 +208,8 @@ class Progress:
                                  "were written (checkpoints are identified by their model.safetensors SHA-256); "
                                  "evaluate them into another eval.output_dir")
             if head.get("fingerprint") != fingerprint:
-                raise ValueError(f"{path} was written under a different model/heads/eval configuration; "
+                raise ValueError(f"{path} was written under a different model/heads/eval configuration"
+                                 f"{_differences_note(path.parent / 'config.yaml', config)}; "
                                  "resume with the same settings, or choose another eval.output_dir")
             write_progress(path, head, self.records.values())  # drop a torn tail before appending
         else:

@@ -289,7 +289,7 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, methods[0][3])
     out_dir.mkdir(parents=True, exist_ok=True)
     # refuses (before anything is written) when out_dir holds results and resume is not auto
-    progress = Progress(out_dir / "progress.jsonl", progress_fingerprint(cfg), cfg.get("resume"))
+    progress = Progress(out_dir / "progress.jsonl", progress_fingerprint(cfg), cfg.get("resume"), config=cfg)
     save_config(cfg, out_dir)
     max_new = int(ev.max_new_tokens)
     log.info("evaluating %s on %d prompts (max_new_tokens=%d) on %s -> %s",

@@ -179,7 +179,7 @@ def test_multi_turn_shards_merge_and_resume(tiny_base, tiny_model_dir, tmp_path,
     full = run("all", "eval.num_prompts=4", "resume=auto")
     assert not calls and full["parity_per_turn"]["2"]["total"] == 4
     # a first-turn-only run cannot resume a two-turn directory
-    with pytest.raises(ValueError, match="different model/heads/eval configuration"):
+    with pytest.raises(ValueError, match=r"different model/heads/eval configuration \(eval.turns: '2' -> '1'\)"):
         run("all", "eval.num_prompts=4", "resume=auto", "eval.turns=1")
 
 
