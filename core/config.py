@@ -313,22 +313,45 @@ def usage(doc: str | None = None) -> str:
     for group in groups():
         lines.append(f"  {group}: {', '.join(group_options(group))}  (default: {defaults.get(group)})")
     lines.append("Top-level keys: " + ", ".join(k for k in base.keys() if k != "defaults"))
+    lines.append("Every key of a section with its default, for the selections given: --help <section> "
+                 f"({', '.join(groups())}), e.g. --help train")
     return "\n".join(lines)
+
+
+def section_usage(section: str, argv: Sequence[str] = ()) -> str:
+    """``section.key=default`` for every key of one config section, composed with ``argv``'s
+    group selections (``heads=falcon --help heads`` lists the falcon head's keys).
+
+    Raises:
+        ConfigError: ``section`` is not a section of the composed config.
+    """
+    cfg = compose([a for a in argv if "=" in a and "." not in a.split("=", 1)[0]])
+    if section not in cfg or not isinstance(cfg[section], DictConfig):
+        raise ConfigError(f"--help {section}: not a config section; sections: "
+                          f"{', '.join(k for k in cfg if isinstance(cfg[k], DictConfig))}")
+    flat = flatten_dotted(OmegaConf.to_container(cfg[section], resolve=True), f"{section}.")
+    return "\n".join(override(k, v) for k, v in flat.items())
 
 
 def cli(argv: Sequence[str] | None = None, doc: str | None = None) -> DictConfig:
     """Compose the config from ``sys.argv``.
 
     ``-h`` / ``--help`` / ``help`` prints :func:`usage` (with ``doc``, the entry point's
-    docstring) and exits with 0; a :class:`ConfigError` is printed and exits with 2.  Known
+    docstring), or with a section name after it :func:`section_usage`, and exits with 0; a :class:`ConfigError` is printed and exits with 2.  Known
     irrelevant library output is silenced first (:func:`core.quiet.silence_known_noise`).
     """
     from core.quiet import silence_known_noise
 
     silence_known_noise()  # before the libraries that print it are imported
     args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in HELP_FLAGS for a in args):
-        print(usage(doc))
+    helps = [i for i, a in enumerate(args) if a in HELP_FLAGS]
+    if helps:
+        section = args[helps[0] + 1] if helps[0] + 1 < len(args) and "=" not in args[helps[0] + 1] else None
+        try:
+            print(usage(doc) if section is None else section_usage(section, args))
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
         raise SystemExit(0)
     try:
         return compose(args)

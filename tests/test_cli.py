@@ -17,6 +17,23 @@ def test_help_lists_groups_and_options_and_exits_zero(capsys):
     assert usage() in out
 
 
+def test_help_of_a_section_lists_its_keys_as_pasteable_overrides(capsys):
+    """``--help <section>`` lists every key with its default for the groups selected, in the form an
+    override takes; an unknown section is one error line, exit 2."""
+    with pytest.raises(SystemExit) as exc:
+        cli(["heads=falcon_k1", "--help", "heads"])
+    assert exc.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "heads.type=falcon" in lines and "heads.block_size=1" in lines
+    with pytest.raises(SystemExit) as exc:
+        cli(["--help", "data"])
+    out = capsys.readouterr().out.splitlines()
+    assert "data.max_conversations=128" in out and "data.streaming=false" in out and "data.path=null" in out
+    with pytest.raises(SystemExit) as exc:
+        cli(["--help", "nope"])
+    assert exc.value.code == 2 and "--help nope: not a config section" in capsys.readouterr().err
+
+
 def test_empty_dataset_is_a_one_line_error_with_exit_2(tmp_path, tiny_model_dir, capsys):
     from data_prep.__main__ import main
 
