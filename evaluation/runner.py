@@ -32,8 +32,8 @@ from decoding.cost_model import omp_wait_policy
 from decoding.vanilla import check_context_limit, eos_token_ids, greedy_generate, sample_generate
 from evaluation.divergence import Accountant, add_accounting, failing_ids
 from evaluation.fastest_vanilla import build_references, fastest, reference_labels
-from evaluation.methods import (build_decoder, checkpoint_label, prepacked_products, resolve_device,
-                                row_consistent_products, variant_configs)
+from evaluation.methods import (REFERENCE_DRAFTERS, build_decoder, checkpoint_label, prepacked_products,
+                                resolve_device, row_consistent_products, variant_configs)
 from evaluation.plots import plot
 from evaluation.progress import Progress, absolute_paths, progress_fingerprint, prompt_digest
 from evaluation.probe import ProbeTallies
@@ -142,10 +142,19 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     Raises:
         core.config.ConfigError: ``eval.output_dir`` cannot become a folder to write into (checked
             before the base loads).
+        FileNotFoundError: a checkpoint (``eval.checkpoint``, a variant's) is not a head checkpoint
+            folder (:func:`heads.registry.check_checkpoint_dir`; checked before the base loads).
     """
     from core.config import check_output_path
 
     check_output_path(cfg, "eval.output_dir")
+    if decoder is None:  # a missing or mistyped checkpoint is named before the base loads
+        from heads.registry import check_checkpoint_dir
+
+        for holder in [cfg.eval, *[v for v in (cfg.eval.get("variants") or []) if hasattr(v, "get")]]:
+            ckpt = holder.get("checkpoint")
+            if ckpt is not None and str(ckpt) not in REFERENCE_DRAFTERS:
+                check_checkpoint_dir(str(ckpt))
     state: dict[str, Any] = {}
     try:
         return _evaluate(cfg, base, decoder, state)

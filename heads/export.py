@@ -110,10 +110,9 @@ def read_checkpoint(ckpt: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
     """
     from safetensors.torch import load_file
 
-    ckpt = Path(ckpt)
-    for name in ("config.json", "model.safetensors"):
-        if not (ckpt / name).is_file():
-            raise FileNotFoundError(f"checkpoint {ckpt} has no {name}")
+    from heads.registry import check_checkpoint_dir
+
+    ckpt = check_checkpoint_dir(ckpt)
     meta = json.loads((ckpt / "config.json").read_text())
     for key in ("head_type", "head", "base", "base_config"):
         if key not in meta:

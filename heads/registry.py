@@ -120,6 +120,29 @@ def save(head, directory: str | os.PathLike, base_identity: dict[str, Any], extr
     return directory
 
 
+def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
+    """``directory`` as a Path once it is a head checkpoint folder (``config.json`` and
+    ``model.safetensors``, as :func:`save` writes them).
+
+    Raises:
+        FileNotFoundError: it does not exist; it is a training run's folder (names its ``best/`` and
+            ``last/``); or a file is missing (named).
+    """
+    directory = Path(directory)
+    if not directory.exists():
+        raise FileNotFoundError(f"checkpoint {directory}: no such directory")
+    if not (directory / "model.safetensors").is_file():
+        inside = [d for d in ("best", "last") if (directory / d / "model.safetensors").is_file()]
+        if inside:
+            raise FileNotFoundError(f"checkpoint {directory} is a training run's folder: pass "
+                                    + " or ".join(f"{directory / d}" for d in inside)
+                                    + " (best/ is chosen by validation τ)")
+    for name in ("model.safetensors", "config.json"):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"checkpoint {directory} has no {name}")
+    return directory
+
+
 def load(directory: str | os.PathLike, base_model=None, model_cfg: Any | None = None):
     """Rebuild a head from a checkpoint directory alone (no pickle).
 
@@ -140,10 +163,7 @@ def load(directory: str | os.PathLike, base_model=None, model_cfg: Any | None = 
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    directory = Path(directory)
-    for name in ("model.safetensors", "config.json"):
-        if not (directory / name).is_file():
-            raise FileNotFoundError(f"checkpoint {directory} has no {name}")
+    directory = check_checkpoint_dir(directory)
     meta = json.loads((directory / "config.json").read_text())
     if base_model is None:
         from core.base_model import load_base_model

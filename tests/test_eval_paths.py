@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+
+import pytest
 
 from core.config import compose
 from evaluation.merge import main as merge_main
@@ -44,3 +47,29 @@ def test_shards_with_relative_paths_merge_from_another_directory(tiny_base, tiny
     assert "merged 2 prompt(s)" in capsys.readouterr().out
     rep = json.loads((tmp_path / "all" / "report.json").read_text())
     assert [r["id"] for r in rep["per_prompt"]] == ["a", "b"] and rep["parity"]["matched"] == 2
+
+
+def test_a_checkpoint_that_is_not_one_is_named_before_the_base_loads(tmp_path, monkeypatch):
+    """A missing path, a training run's folder (the user meant its best/) and a folder without the
+    weights are each one clear error, before any base is loaded; the export says the same."""
+    import core.base_model
+    from evaluation.__main__ import rewrite_argv
+    from heads.export import read_checkpoint
+
+    monkeypatch.setattr(core.base_model, "load_base_model", lambda *a, **k: pytest.fail("the base was loaded"))
+    run = tmp_path / "runs" / "ctc" / "r1"
+    (run / "best").mkdir(parents=True)
+    (run / "best" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    cases = {tmp_path / "nope": "no such directory", run: "is a training run's folder: pass " + str(run / "best"),
+             tmp_path / "empty": "has no model.safetensors"}
+    for path, message in cases.items():
+        cfg = compose(rewrite_argv([f"checkpoint={path}", f"eval.output_dir={tmp_path / 'out'}"]))
+        with pytest.raises(FileNotFoundError, match=re.escape(message)):
+            run_evaluation(cfg)
+        with pytest.raises(FileNotFoundError, match=re.escape(message)):
+            read_checkpoint(path)
+    bad = compose(rewrite_argv(["checkpoint=oracle", f"eval.output_dir={tmp_path / 'out'}",
+                                f"eval.variants=[{{name: a, checkpoint: {tmp_path / 'nope'}}}]"]))
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        run_evaluation(bad)
