@@ -22,6 +22,9 @@ IGNORED_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     (r"It is recommended to use `self\.log\(.*sync_dist=True\)", Warning,
      "train.module all-reduces every validation metric by hand (sums of counts over ranks) before logging, "
      "so Lightning's sync_dist advice is a false alarm"),
+    (r"Checkpoint directory .* exists and is not empty", Warning,
+     "Lightning's note when resume=auto continues a run in its own checkpoints/ folder, as intended; a new run "
+     "over an existing one is refused by draftheads before Lightning starts (train.run)"),
     (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning,
      "DeepSpeed ZeRO's own collectives on torch 2.13 (eight per ZeRO-3 step on two ranks); nothing for a user to change"),
 )

@@ -386,6 +386,7 @@ logging.basicConfig(level=logging.INFO)
 rank_zero_warn("The `srun` command is available on your system but is not used. HINT: ...")
 rank_zero_warn("It is recommended to use `self.log('val/loss', ..., sync_dist=True)` when logging on epoch level")
 rank_zero_warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...")
+rank_zero_warn("Checkpoint directory /x/runs/ctc/r1/checkpoints exists and is not empty.")
 warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning)
 warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning)
 rank_zero_info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]")
@@ -399,7 +400,7 @@ print("DS_ACCELERATOR=" + os.environ.get("DS_ACCELERATOR", ""), file=sys.stderr)
     err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stderr
     for noise in ("srun", "sync_dist", "LeafSpec", "all_gather_into_tensor", "reduce_scatter_tensor", "Tip:",
-                  "limit_val_batches"):
+                  "limit_val_batches", "exists and is not empty"):
         assert noise not in err, err
     assert "a warning that matters" in err and "an info line that matters" in err
     if NO_CUDA:
