@@ -208,11 +208,11 @@ def test_cli_destroys_the_process_group_after_training_and_after_preemption(monk
 
     calls = []
     monkeypatch.setattr(train.strategies, "shutdown_distributed", lambda: calls.append("shutdown") or True)
-    monkeypatch.setattr(core.config, "run_cli", lambda fn, argv, doc: {"preempted": None, "exports": {}})
+    monkeypatch.setattr(core.config, "run_cli", lambda fn, argv, doc, **kw: {"preempted": None, "exports": {}})
     main([])
     assert calls == ["shutdown"]
     stop = Preempted(15, 3, "last.ckpt")
-    monkeypatch.setattr(core.config, "run_cli", lambda fn, argv, doc: {"preempted": stop, "exports": {}})
+    monkeypatch.setattr(core.config, "run_cli", lambda fn, argv, doc, **kw: {"preempted": stop, "exports": {}})
     with pytest.raises(SystemExit) as exc:
         main([])
     assert exc.value.code == 128 + 15 and calls == ["shutdown", "shutdown"]
