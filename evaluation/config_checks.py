@@ -99,7 +99,8 @@ def check_decoding_overrides(ev: dict, head_type: str | None = None, heads_cfg: 
         where: the prefix that names the key in messages (``eval`` or ``eval.variants[i]``).
 
     Raises:
-        ConfigError: a bad value; the message names ``<where>.<key>``, the value and what it must be.
+        ConfigError: a bad value, or a key of another head than ``head_type`` (its decoder would
+            ignore it); the message names ``<where>.<key>``, the value and what it must be.
     """
     import json
 
@@ -127,6 +128,9 @@ def check_decoding_overrides(ev: dict, head_type: str | None = None, heads_cfg: 
         is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
         is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
         hint = f" (overrides heads.{head_key} of heads={owner})"
+        if head_type is not None and head_type != owner:  # ignored by this head: a sweep over it would only repeat
+            raise ConfigError(f"{name} applies to {owner} heads only (it overrides heads.{head_key}); this run's "
+                              f"head is heads.type={head_type}, whose decoder would ignore it")
         if kind == "int" and not (is_int(value) and value >= 1):
             raise ConfigError(f"{name} must be an integer >= 1{hint}")
         if kind == "int_or_list" and not ((is_int(value) and value >= 1) or (

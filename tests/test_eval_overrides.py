@@ -25,6 +25,11 @@ from evaluation.methods import variant_configs
     (["heads=adadecode", "eval.gamma_schedule=abc"], 'eval.gamma_schedule="abc" must be a non-empty list'),
     (["heads=adadecode", "eval.max_inflight=0"], "eval.max_inflight=0 must be an integer >= 1"),
     (["eval.variants=abc"], "eval.variants='abc' must be null or a list of mappings"),
+    # a key another head's decoder reads: this head would ignore it, and a sweep over it only repeats
+    (["heads=ctc", "eval.gamma=0.5"], "eval.gamma=0.5 applies to adadecode heads only .* heads.type=ctc"),
+    (["heads=ctc", "eval.falcon_passes=2"], "eval.falcon_passes=2 applies to falcon heads only"),
+    (["heads=falcon_k1", "eval.topk=3"], "eval.topk=3 applies to ctc heads only .* heads.type=falcon"),
+    (["heads=eagle3", "eval.max_inflight=2"], "eval.max_inflight=2 applies to adadecode heads only"),
 ])
 def test_bad_decoding_override_names_the_key(args, message):
     with pytest.raises(ConfigError, match=message):
@@ -43,6 +48,7 @@ def test_good_decoding_overrides_compose():
     (["heads=adadecode"], "[{gamma: 0.5}, {max_inflight: 0}]", r"eval.variants\[1\].max_inflight=0 must be an integer"),
     (["heads=falcon"], "[{falcon_tree: {depth_children: [a]}}]", r"eval.variants\[0\].falcon_tree: invalid literal"),
     (["checkpoint=oracle"], "[{reference_depth: 0}]", r"eval.variants\[0\]: eval.reference_depth=0 must lie in"),
+    (["heads=ctc"], "[{gamma: 0.3}, {gamma: 0.9}]", r"eval.variants\[0\].gamma=0.3 applies to adadecode heads only"),
 ])
 def test_bad_variant_entry_names_the_variant_and_key(args, variants, message):
     cfg = compose([a.replace("checkpoint=", "eval.checkpoint=") for a in args] + [f"eval.variants={variants}"])
