@@ -96,9 +96,18 @@ def test_wandb_mode_decision_from_key_netrc_settings_and_env(no_login, monkeypat
     netrc.chmod(0o600)
     d = decide_wandb_mode()
     assert d.mode == "online" and str(netrc) in d.reason
+    monkeypatch.setenv("WANDB_MODE", "online")  # online asked for, with a login: obeyed
+    assert decide_wandb_mode().mode == "online"
+    monkeypatch.delenv("WANDB_MODE")
     (tmp_path / "wandb").mkdir()  # `wandb disabled` in this directory wins over the login
     (tmp_path / "wandb" / "settings").write_text("[default]\nmode = disabled\n")
     assert decide_wandb_mode().mode == "disabled"
+    netrc.unlink()  # online asked for without any login: one clear refusal, never wandb's prompt or traceback
+    monkeypatch.setenv("WANDB_MODE", "online")
+    from core.config import UserInputError
+
+    with pytest.raises(UserInputError, match="WANDB_MODE=online but no W&B login was found.*wandb login"):
+        decide_wandb_mode()
 
 
 def test_wandb_logger_gets_the_mode_explicitly(no_login, tmp_path, capsys):

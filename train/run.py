@@ -544,8 +544,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from train.strategies import shutdown_distributed
 
-    result = run_cli(train, argv, USAGE, interrupted="training aborted (a second Ctrl-C): nothing more was saved; "
-                                                     "add resume=auto to the command to continue from the last checkpoint")
+    result = run_cli(train, argv, USAGE, interrupted="training interrupted (Ctrl-C): nothing more was saved; where the "
+                                                     "run has a checkpoints/last.ckpt, add resume=auto to the command "
+                                                     "to continue from it")
     shutdown_distributed()  # every rank got here: training ended, or all agreed on the pre-emption stop
     stop = result.get("preempted")
     if stop is not None:

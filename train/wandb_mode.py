@@ -109,8 +109,18 @@ def decide_wandb_mode(base_url: str | None = None) -> WandbMode:
     """The run's W&B mode (module docstring: ``WANDB_MODE``, wandb's settings, credentials, else offline).
 
     Never prompts and never touches the network.
+
+    Raises:
+        core.config.UserInputError: ``WANDB_MODE=online`` with no login wandb could use (wandb would
+            ask for one on a terminal, and fail with a traceback without one).
     """
     mode = os.environ.get("WANDB_MODE")
+    if mode == "online" and find_credentials(base_url) is None:
+        from core.config import UserInputError
+
+        raise UserInputError("WANDB_MODE=online but no W&B login was found (no WANDB_API_KEY, no netrc entry, no key "
+                             "in wandb's settings): run `wandb login` first, or unset WANDB_MODE to log offline "
+                             "(`wandb sync` uploads the run later)")
     if mode:
         return WandbMode(mode, f"WANDB_MODE={mode}")
     settings = _settings_files()
