@@ -271,9 +271,7 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
         the verifier / the base's embedding cannot be resolved, or a weight holds NaN / ±inf (names the
         tensor).  Nothing is written before every check passed.
     """
-    from safetensors.torch import save_file
-
-    from core.io import make_tmp_dir, output_dir_problem
+    from core.io import atomic_save_safetensors, make_tmp_dir, output_dir_problem
     from heads.export_engines import VerifierError, base_embedding, resolve_verifier
 
     out = Path(out)
@@ -310,7 +308,9 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
     try:
         tensors = {k: (v if k == "embed_tokens.weight" or not v.is_floating_point() else v.float()).contiguous()
                    for k, v in tensors.items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # readable as config.json is (0666 & ~umask: safetensors' own save_file leaves 0600, which an engine
+        # running as another user cannot read), and byte-deterministic
+        atomic_save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         vocab = cfg["draftheads"].get("draft_vocab")
         if vocab is not None and "hot_token_ids" in vocab:  # the list goes to its own file, config.json names it
             ids = vocab.pop("hot_token_ids")

@@ -155,7 +155,11 @@ def test_export_metadata_names_engine_versions_layer_rule_embedding_dtype(tiny_b
     from heads.export import export
 
     _, ckpt = _eagle3(tiny_base, tmp_path)
-    cfg = json.loads((export(ckpt, fmt, tmp_path / "o") / "config.json").read_text())
+    out = export(ckpt, fmt, tmp_path / "o")
+    cfg = json.loads((out / "config.json").read_text())
+    # every file is readable as config.json is (an engine may run as another user): not 0600
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert len(set(modes.values())) == 1 and modes["model.safetensors"] & 0o044, modes
     engines = cfg["draftheads"]["engines"]
     assert cfg["draftheads"]["format"] == fmt
     assert set(engines) == ({"sglang", "vllm"} if fmt == "sglang" else {"vllm", "speculators"})
