@@ -116,6 +116,12 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
         raise UserInputError(f"eval.prompts={cfg.eval.prompts!r}: file not found; the comparison reports on MT-bench: "
                              "pass eval.prompts=/path/to/question.jsonl (FastChat's "
                              "fastchat/llm_judge/data/mt_bench/question.jsonl, docs/glossary.md)")
+    from evaluation.prompts import PromptError, read_jsonl_records
+
+    try:  # every line checked now: the evaluation stages that read it run hours after data prep
+        read_jsonl_records(str(cfg.eval.prompts))
+    except PromptError as exc:
+        raise UserInputError(str(exc)) from None
     # relative paths are the caller's; the stages run in the repository root
     cfg.eval.prompts = str(Path(str(cfg.eval.prompts)).resolve())
     cfg.output_dir = str(Path(str(cfg.output_dir)).resolve())

@@ -119,6 +119,11 @@ def test_compare_driver_bad_config_is_one_line_error(tiny_setup, capsys):
     assert compare.main(["--config", str(config), "nope=1"]) == 2
     assert "'nope=1': not a key=value override" in capsys.readouterr().err
     assert compare.main(["--config", str(config), "heads_to_run=[notyet]"]) == 2
+    # a malformed prompts file is named by line before data prep starts (the evaluation reads it hours later)
+    bad = out.parent / "bad_questions.jsonl"
+    bad.write_text('{"question_id": 1, "category": "writing", "turns": []}\n')
+    assert compare.main(["--config", str(config), f"eval.prompts={bad}"]) == 2
+    assert f"{bad}:1:" in capsys.readouterr().err
     # a split key in one stage's overrides only: evaluation would calibrate on another dataset's held-out split
     for prep in (["labels=teacher_forced", "data.heldout_fraction=0.1"], {"tf": ["data.path=other.json"]}):
         cfg = yaml.safe_load(config.read_text())
