@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from evaluation.progress import UNFINGERPRINTED_EVAL_KEYS, read_progress, weight_digests, write_progress
+from evaluation.progress import (UNFINGERPRINTED_EVAL_KEYS, differences_note, read_progress, weight_digests,
+                                 write_progress)
 
 USAGE = "usage: python -m evaluation.merge [--no-report] OUT_DIR SHARD_DIR [SHARD_DIR ...]"
 
@@ -77,7 +78,8 @@ def merge_progress(out_dir: Path, shard_dirs: Sequence[Path]) -> dict[str, Any]:
                              f"{weight_digests(head.get('weights'))} vs {weight_digests(header.get('weights'))}); "
                              "its records cannot be combined")
         elif head.get("fingerprint") != header.get("fingerprint"):
-            raise ValueError(f"shard {shard} ran a different model/heads/eval configuration than shard {first} "
+            raise ValueError(f"shard {shard} ran a different model/heads/eval configuration than shard {first}"
+                             f"{differences_note(first / 'config.yaml', shard / 'config.yaml')} "
                              f"(only eval.{', eval.'.join(UNFINGERPRINTED_EVAL_KEYS)} may differ)")
         per_shard[str(shard)] = len(records)
         for pid, rec in records.items():

@@ -159,15 +159,17 @@ def write_progress(path: Path, header: dict[str, Any], records) -> None:
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
-def _differences_note(recorded: Path, config: DictConfig | None) -> str:
-    """`` (eval.turns: '1' -> 'all'; ...)``: how ``config`` differs from the evaluation's recorded
-    ``config.yaml``, or "" when either is missing or unreadable."""
-    if config is None or not recorded.is_file():
+def differences_note(recorded: Path, config: DictConfig | Path | None) -> str:
+    """`` (eval.turns: '1' -> 'all'; ...)``: how ``config`` (a config, or another evaluation's
+    ``config.yaml``) differs from the evaluation's recorded ``config.yaml`` in what
+    :func:`progress_fingerprint` sees, or "" when either is missing or unreadable."""
+    if config is None or not recorded.is_file() or (isinstance(config, Path) and not config.is_file()):
         return ""
     from omegaconf import OmegaConf
 
     try:
-        diffs = fingerprint_differences(OmegaConf.load(recorded), config)
+        diffs = fingerprint_differences(OmegaConf.load(recorded),
+                                        OmegaConf.load(config) if isinstance(config, Path) else config)
     except Exception:  # noqa: BLE001 — a damaged config.yaml only loses the detail, never the refusal
         return ""
     return f" ({'; '.join(diffs[:6])}{'; ...' if len(diffs) > 6 else ''})" if diffs else ""
@@ -209,7 +211,7 @@ class Progress:
                                  "evaluate them into another eval.output_dir")
             if head.get("fingerprint") != fingerprint:
                 raise ValueError(f"{path} was written under a different model/heads/eval configuration"
-                                 f"{_differences_note(path.parent / 'config.yaml', config)}; "
+                                 f"{differences_note(path.parent / 'config.yaml', config)}; "
                                  "resume with the same settings, or choose another eval.output_dir")
             write_progress(path, head, self.records.values())  # drop a torn tail before appending
         else:

@@ -156,7 +156,7 @@ def test_repeats_that_decode_other_tokens_fail(tiny_base, tiny_model_dir, tmp_pa
     assert rep["timing"]["identical_tokens"] is False and rep["parity"]["matched"] == 1
 
 
-def test_multi_turn_shards_merge_and_resume(tiny_base, tiny_model_dir, tmp_path, mt_file):
+def test_multi_turn_shards_merge_and_resume(tiny_base, tiny_model_dir, tmp_path, mt_file, capsys):
     """Shards split by question keep both turns together; the merged run reports all turns and
     decodes nothing again."""
     calls = []
@@ -181,6 +181,10 @@ def test_multi_turn_shards_merge_and_resume(tiny_base, tiny_model_dir, tmp_path,
     # a first-turn-only run cannot resume a two-turn directory
     with pytest.raises(ValueError, match=r"different model/heads/eval configuration \(eval.turns: '2' -> '1'\)"):
         run("all", "eval.num_prompts=4", "resume=auto", "eval.turns=1")
+    # nor can shards of different settings merge: the refusal names the setting, from their config.yaml
+    run("c", "eval.prompt_offset=2", "eval.num_prompts=2", "eval.turns=1")
+    assert merge_main(["--no-report", str(tmp_path / "ac"), str(tmp_path / "a"), str(tmp_path / "c")]) == 2
+    assert "(eval.turns: '2' -> '1') (only eval." in capsys.readouterr().err
 
 
 def test_template_that_rewrites_the_answer_renders_turn_two_itself(tiny_base):
