@@ -128,7 +128,8 @@ def check_base(meta: dict[str, Any], base: str | None) -> None:
     sides have it, the GGUF sha256.
 
     Raises:
-        ExportError: a mismatch (names the field and both values).
+        ExportError: a mismatch (names the field and both values), or ``base`` is not a model (a
+            missing path, a folder without a model config; named, in one line).
     """
     if base is None:
         return
@@ -136,10 +137,18 @@ def check_base(meta: dict[str, Any], base: str | None) -> None:
 
     from core.base_model import resolve_model_dir
 
-    load_path, _, sha = resolve_model_dir({"path": base})
-    cfg = AutoConfig.from_pretrained(load_path, trust_remote_code=False)
-    have = {"architecture": (cfg.architectures or [type(cfg).__name__])[0], "vocab_size": int(cfg.vocab_size),
-            "hidden_size": int(cfg.hidden_size), "num_hidden_layers": int(cfg.num_hidden_layers)}
+    if not Path(base).expanduser().exists() and (base.startswith((".", "/", "~")) or base.endswith(".gguf")):
+        raise ExportError(f"--base {base}: no such file or folder")
+    try:
+        load_path, _, sha = resolve_model_dir({"path": base})
+        cfg = AutoConfig.from_pretrained(load_path, trust_remote_code=False)
+    except (OSError, ValueError) as exc:  # transformers: no config.json, no model_type, a hub id offline
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ExportError(f"--base {base}: not a Hugging Face model folder or GGUF file ({first})") from None
+    have = {"vocab_size": int(cfg.vocab_size), "hidden_size": int(cfg.hidden_size),
+            "num_hidden_layers": int(cfg.num_hidden_layers)}
+    if cfg.architectures:  # a config without it names no class to compare with the training base's
+        have = {"architecture": cfg.architectures[0], **have}
     trained = meta["base"]
     for key, value in have.items():
         if key in trained and trained[key] != value:

@@ -260,6 +260,19 @@ def test_export_errors(tiny_base, tmp_path, tiny_model_dir):
     other = save_tiny_model(tmp_path / "other", seed=0, num_layers=6)
     with pytest.raises(ExportError, match="num_hidden_layers=6.*trained for"):
         export(e3, "vllm", tmp_path / "x", base=str(other))
+    # a --base that is no model is one line naming it, never a traceback or the hub's message
+    (tmp_path / "cfg_only").mkdir()
+    (tmp_path / "cfg_only" / "config.json").write_text('{"model_type": "llama"}')
+    for bad, message in ((tmp_path / "nope", "no such file or folder"), (tmp_path / "x_empty", "not a Hugging Face"),
+                         (tmp_path / "cfg_only", None)):
+        if bad.name == "x_empty":
+            bad.mkdir()
+        if message is None:  # a config without architectures: compared on sizes, not on a config class name
+            with pytest.raises(ExportError, match="vocab_size=32000, but the head was trained"):
+                export(e3, "vllm", tmp_path / "x", base=str(bad))
+            continue
+        with pytest.raises(ExportError, match=f"--base {bad}: {message}"):
+            export(e3, "vllm", tmp_path / "x", base=str(bad))
     assert not (tmp_path / "x").exists()
     assert export(e3, "vllm", tmp_path / "ok", base=str(tiny_model_dir)).is_dir()
     (tmp_path / "full").mkdir()
