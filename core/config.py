@@ -337,8 +337,9 @@ def cli(argv: Sequence[str] | None = None, doc: str | None = None) -> DictConfig
     """Compose the config from ``sys.argv``.
 
     ``-h`` / ``--help`` / ``help`` prints :func:`usage` (with ``doc``, the entry point's
-    docstring), or with a section name after it :func:`section_usage`, and exits with 0; a :class:`ConfigError` is printed and exits with 2.  Known
-    irrelevant library output is silenced first (:func:`core.quiet.silence_known_noise`).
+    docstring), or :func:`section_usage` when a section name follows it, and exits with 0; a
+    :class:`ConfigError` is printed and exits with 2.  Known irrelevant library output is silenced
+    first (:func:`core.quiet.silence_known_noise`).
     """
     from core.quiet import silence_known_noise
 
