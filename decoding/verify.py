@@ -92,10 +92,16 @@ def prefill(base_model, prompt_ids: torch.Tensor, layers=None):
 def keep_cache_positions(cache, past_length: int, keep: torch.Tensor) -> None:
     """Keep cache positions ``[0, P)`` plus ``P + keep`` (in that order) in every layer; drop the rest.
 
+    Only the K kept tree slots move: they are gathered and written over slots ``[P, P + K)``, and
+    each layer is then cut to ``P + K`` positions (a view, as ``DynamicLayer.crop`` cuts).  The P
+    context positions are neither read nor copied, so the cost is O(K) per layer, not O(P + K)
+    as an index-select of the whole layer would be (the next step's ``torch.cat`` in
+    ``DynamicLayer.update`` allocates afresh, so the dropped tail is never reused).
+
     Args:
         cache: a ``DynamicCache`` whose layers hold keys/values [B, heads, S, head_dim].
         past_length: P, the cache length before the tree was appended.
-        keep: LongTensor [K] of tree-node indices (e.g. the root and the accepted path).
+        keep: LongTensor [K] of distinct tree-node indices (e.g. the root and the accepted path).
 
     Raises:
         TypeError: a layer is not a plain (non-sliding) ``DynamicLayer``.
@@ -103,18 +109,19 @@ def keep_cache_positions(cache, past_length: int, keep: torch.Tensor) -> None:
     from transformers.cache_utils import DynamicLayer
 
     keep = keep.reshape(-1).long()
+    k = keep.numel()
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:
             raise TypeError(f"cache layer {i} is {type(layer).__name__}; tree verification needs DynamicLayer")
         if not layer.is_initialized:
             continue
-        s = layer.keys.shape[-2]
-        n = s - past_length
-        if keep.numel() == n and bool((keep == torch.arange(n)).all()):
-            continue  # already contiguous
-        idx = torch.cat([torch.arange(past_length), past_length + keep]).to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, idx)
-        layer.values = layer.values.index_select(-2, idx)
+        n = layer.keys.shape[-2] - past_length
+        if not (k == n and bool((keep == torch.arange(n)).all())):
+            src = (past_length + keep).to(layer.keys.device)
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                t[..., past_length:past_length + k, :] = t.index_select(-2, src)  # a gathered copy, then written
+                setattr(layer, name, t[..., :past_length + k, :])
 
 
 def crop_cache(cache, length: int) -> None:

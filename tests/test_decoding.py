@@ -15,7 +15,7 @@ from decoding.reference import OracleDrafter, RandomDrafter
 from decoding.speculative import Decoder, Drafter, SpeculativeDecoder, tau
 from decoding.tree import DraftTree
 from decoding.vanilla import greedy_generate
-from decoding.verify import base_forward, greedy_accept, prefill, verify_tree
+from decoding.verify import base_forward, greedy_accept, keep_cache_positions, prefill, verify_tree
 
 V = 384
 
@@ -110,6 +110,31 @@ def test_cache_after_acceptance_equals_sequential_cache(model, seed):
     # decoding continues correctly from the compacted cache
     lg, _ = base_forward(model, torch.tensor([res.bonus]), cache)
     assert int(lg[-1].argmax()) == greedy[6]
+
+
+@pytest.mark.parametrize("keep", [[0], [0, 1, 2], [0, 2, 5], [0, 4, 1, 3], [3, 0], [0, 1, 2, 3, 4, 5]])
+def test_keep_cache_positions_equals_a_gather_of_the_whole_layer(keep):
+    """The compaction moves only the kept tree slots; the cache must equal a full index-select of
+    positions [0, P) + P + keep in every layer, in any order of ``keep``, and grow correctly after."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(len(keep))
+    past, n = 7, 6
+    cache = DynamicCache()
+    full = []
+    for i in range(3):
+        k, v = torch.randn(1, 2, past + n, 4, generator=gen), torch.randn(1, 2, past + n, 4, generator=gen)
+        cache.update(k.clone(), v.clone(), i)
+        full.append((k, v))
+    keep_cache_positions(cache, past, torch.tensor(keep))
+    idx = torch.cat([torch.arange(past), past + torch.tensor(keep)])
+    assert cache.get_seq_length() == past + len(keep)
+    for i, (k, v) in enumerate(full):
+        torch.testing.assert_close(cache.layers[i].keys, k.index_select(-2, idx), rtol=0, atol=0)
+        torch.testing.assert_close(cache.layers[i].values, v.index_select(-2, idx), rtol=0, atol=0)
+        new_k = torch.randn(1, 2, 1, 4, generator=gen)
+        kk, _ = cache.layers[i].update(new_k, new_k.clone())
+        torch.testing.assert_close(kk, torch.cat([k.index_select(-2, idx), new_k], dim=-2), rtol=0, atol=0)
 
 
 def test_vanilla_matches_hf_generate(eager_model):
