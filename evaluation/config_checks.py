@@ -62,6 +62,9 @@ def _eval_checks(cfg: DictConfig) -> None:
     if variants is not None and not isinstance(variants, ListConfig):
         raise ConfigError(f"eval.variants={variants!r} must be null or a list of mappings of eval.* overrides, "
                           "e.g. '[{gamma: 0.7}, {gamma: 0.85}]'")
+    if variants is not None and len(variants) == 0:
+        raise ConfigError("eval.variants=[] lists no variant, so nothing would be evaluated; list at least one "
+                          "(e.g. '[{gamma: 0.7}]') or leave eval.variants null for the run's own eval section")
     head_type = OmegaConf.select(cfg, "heads.type", default=None)
     heads_cfg = OmegaConf.to_container(cfg.heads, resolve=True) if "heads" in cfg and isinstance(cfg.heads, DictConfig) else {}
     check_decoding_overrides(OmegaConf.to_container(cfg.eval, resolve=True), head_type, heads_cfg)

@@ -242,6 +242,19 @@ def checkpoint_label(ckpt) -> str:
 _NAME_OK = re.compile(r"[^A-Za-z0-9._=,+-]+")
 
 
+def _name_value(val) -> str:
+    """A variant override's value as it appears in the variant's default name: a list's items
+    joined by ``_`` (``topk=[1, 1, 1]`` → ``topk=1_1_1``), a mapping's ``key-value`` pairs likewise."""
+    from omegaconf import OmegaConf
+
+    val = to_container(val) if OmegaConf.is_config(val) else val
+    if isinstance(val, (list, tuple)):
+        return "_".join(_name_value(v) for v in val)
+    if isinstance(val, dict):
+        return "_".join(f"{k}-{_name_value(v)}" for k, v in val.items())
+    return str(val)
+
+
 # eval keys that define the shared reference run (prompts, lengths, dtype, device, sampling), not a method
 SHARED_EVAL_KEYS = frozenset({"variants", "prompts", "prompt_field", "num_prompts", "prompt_offset", "max_new_tokens",
                               "max_prompt_tokens", "dtype", "device", "threads", "plan_threads", "warmup",
@@ -273,8 +286,11 @@ def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
     from omegaconf import OmegaConf, open_dict
 
     raw = cfg.eval.get("variants")
-    if not raw:
+    if raw is None:
         return [(None, cfg)]
+    if len(raw) == 0:  # config_checks refuses it first; a config built in code gets the same answer
+        raise ValueError("eval.variants=[] lists no variant, so nothing would be evaluated; list at least one "
+                         "(e.g. '[{gamma: 0.7}]') or leave eval.variants null for the run's own eval section")
     out: list[tuple[str | None, DictConfig]] = []
     for i, v in enumerate(to_container(raw) if not isinstance(raw, list) else raw):
         if not isinstance(v, dict) or not v:
@@ -295,7 +311,7 @@ def variant_configs(cfg: DictConfig) -> list[tuple[str | None, DictConfig]]:
                 if k == "checkpoint" and val not in REFERENCE_DRAFTERS:
                     parts.append(checkpoint_label(val))
                 else:
-                    parts.append(f"{k}={val}")
+                    parts.append(f"{k}={_name_value(val)}")
             name = ",".join(parts)
         name = _NAME_OK.sub("_", str(name)).strip("._") or f"variant{i}"
         if any(name == n for n, _ in out):

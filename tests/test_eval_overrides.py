@@ -25,6 +25,7 @@ from evaluation.methods import variant_configs
     (["heads=adadecode", "eval.gamma_schedule=abc"], 'eval.gamma_schedule="abc" must be a non-empty list'),
     (["heads=adadecode", "eval.max_inflight=0"], "eval.max_inflight=0 must be an integer >= 1"),
     (["eval.variants=abc"], "eval.variants='abc' must be null or a list of mappings"),
+    (["eval.variants=[]"], r"eval.variants=\[\] lists no variant"),  # acted as null: the run's own section
     # a key another head's decoder reads: this head would ignore it, and a sweep over it only repeats
     (["heads=ctc", "eval.gamma=0.5"], "eval.gamma=0.5 applies to adadecode heads only .* heads.type=ctc"),
     (["heads=ctc", "eval.falcon_passes=2"], "eval.falcon_passes=2 applies to falcon heads only"),
@@ -54,6 +55,15 @@ def test_bad_variant_entry_names_the_variant_and_key(args, variants, message):
     cfg = compose([a.replace("checkpoint=", "eval.checkpoint=") for a in args] + [f"eval.variants={variants}"])
     with pytest.raises(ValueError, match=message):
         variant_configs(cfg)
+
+
+@pytest.mark.parametrize("variants,names", [
+    ("[{topk: [1, 1, 1]}, {topk: [2, 1]}]", ["topk=1_1_1", "topk=2_1"]),  # was topk=_1,_1,_1_ (the list's repr)
+    ("[{max_nodes: 8, topk: 3}]", ["max_nodes=8,topk=3"]),
+])
+def test_variant_names_of_list_values_are_readable(variants, names):
+    cfg = compose(["heads=ctc", f"eval.variants={variants}"])
+    assert [name for name, _ in variant_configs(cfg)] == names
 
 
 def test_cli_bad_override_is_one_line_exit_2_before_any_output(tmp_path, tiny_model_dir, capsys):
