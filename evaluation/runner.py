@@ -301,9 +301,10 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     progress = Progress(out_dir / "progress.jsonl", progress_fingerprint(cfg), cfg.get("resume"), config=cfg)
     save_config(cfg, out_dir)
     max_new = int(ev.max_new_tokens)
-    log.info("evaluating %s on %d prompts (max_new_tokens=%d) on %s -> %s",
+    n_turns = sum(turns_to_run(turns, p) for p in prompts)
+    log.info("evaluating %s on %d prompts%s (max_new_tokens=%d) on %s -> %s",
              ", ".join(str(m[3]["decoder"]) + (f" [{m[0]}]" if m[0] else "") for m in methods), len(prompts),
-             max_new, device, out_dir)
+             f", {n_turns} turns" if n_turns != len(prompts) else "", max_new, device, out_dir)
 
     for _ in range(int(ev.get("warmup") or 0)):  # untimed: allocator, kernels, lazy imports
         reference(prompts[0].input_ids, min(8, max_new))

@@ -84,13 +84,15 @@ class _WrongOnTurnTwo(VanillaDecoder):
         return out, stats
 
 
-def test_parity_is_checked_and_reported_per_turn(tiny_base, tiny_model_dir, tmp_path, mt_file):
+def test_parity_is_checked_and_reported_per_turn(tiny_base, tiny_model_dir, tmp_path, mt_file, caplog):
     model, tok, _ = tiny_base
     cfg = compose(rewrite_argv(_argv(tiny_model_dir, tmp_path / "out", f"eval.prompts={mt_file}", "eval.turns=all",
                                      "eval.fail_on_mismatch=false")))
     prompts, _ = load_prompts(cfg.eval, cfg.data, tok)
     longest_t1 = max(p.input_ids.numel() for p in prompts)
-    rep = run_evaluation(cfg, base=tiny_base, decoder=_WrongOnTurnTwo(model, longest_t1 + 1))
+    with caplog.at_level("INFO", logger="evaluation.runner"):
+        rep = run_evaluation(cfg, base=tiny_base, decoder=_WrongOnTurnTwo(model, longest_t1 + 1))
+    assert "on 4 prompts, 8 turns (max_new_tokens" in caplog.text  # it said "4 prompts", then decoded 8 turns
     per_turn = rep["parity_per_turn"]
     assert (per_turn["1"]["matched"], per_turn["1"]["total"]) == (4, 4)
     assert (per_turn["2"]["matched"], per_turn["2"]["total"]) == (0, 4)
