@@ -326,9 +326,10 @@ def section_usage(section: str, argv: Sequence[str] = ()) -> str:
         ConfigError: ``section`` is not a section of the composed config.
     """
     cfg = compose([a for a in argv if "=" in a and "." not in a.split("=", 1)[0]])
-    if section not in cfg or not isinstance(cfg[section], DictConfig):
-        raise ConfigError(f"--help {section}: not a config section; sections: "
-                          f"{', '.join(k for k in cfg if isinstance(cfg[k], DictConfig))}")
+    # `choices` records the group options selected (compose), it is no section of settings
+    sections = [k for k in cfg if isinstance(cfg[k], DictConfig) and k != "choices"]
+    if section not in sections:
+        raise ConfigError(f"--help {section}: not a config section; sections: {', '.join(sections)}")
     flat = flatten_dotted(OmegaConf.to_container(cfg[section], resolve=True), f"{section}.")
     return "\n".join(override(k, v) for k, v in flat.items())
 

@@ -31,7 +31,12 @@ def test_help_of_a_section_lists_its_keys_as_pasteable_overrides(capsys):
     assert "data.max_conversations=128" in out and "data.streaming=false" in out and "data.path=null" in out
     with pytest.raises(SystemExit) as exc:
         cli(["--help", "nope"])
-    assert exc.value.code == 2 and "--help nope: not a config section" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--help nope: not a config section" in err
+    assert "data" in err.split("sections: ")[1] and "choices" not in err  # the selected options are no section
+    with pytest.raises(SystemExit) as exc:
+        cli(["--help", "choices"])
+    assert exc.value.code == 2 and "--help choices: not a config section" in capsys.readouterr().err
 
 
 def test_empty_dataset_is_a_one_line_error_with_exit_2(tmp_path, tiny_model_dir, capsys):
