@@ -77,6 +77,7 @@ from typing import Any, Callable
 import torch
 
 FORMATS = ("sglang", "vllm", "speculators", "eagle1")
+VERIFIER_FORMATS = ("vllm", "speculators")  # the formats whose config records the verifier (speculators_config)
 #: an ``eagle1`` export of a head with a draft vocabulary writes its base ids here (JSON ``hot_token_ids``)
 HOT_TOKENS_FILE = "hot_token_ids.json"
 #: formats holding speculators' Eagle3SpeculatorConfig layout (one layout, named by either engine)
@@ -286,6 +287,9 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
     out = Path(out)
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: formats are {', '.join(FORMATS)}")
+    if verifier is not None and fmt not in VERIFIER_FORMATS:  # it would be ignored: the export records no verifier
+        raise ExportError(f"--verifier applies to --format {' or '.join(VERIFIER_FORMATS)} only; a --format {fmt} "
+                          "export records no verifier (the serving engine is given the target model itself)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"output {out} exists and is not an empty directory")
     problem = output_dir_problem(out)

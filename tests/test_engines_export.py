@@ -94,6 +94,18 @@ def test_verifier_relative_folder_becomes_absolute_and_hub_id_is_kept(tiny_base,
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.parametrize("fmt", ["sglang", "eagle1"])
+def test_verifier_on_a_format_that_records_none_is_refused(tiny_base, tmp_path, fmt):
+    """--verifier was silently dropped by the formats whose config records no verifier."""
+    from heads.export import ExportError, export, main
+
+    _, ckpt = _eagle3(tiny_base, tmp_path)
+    with pytest.raises(ExportError, match=f"--verifier applies to --format vllm or speculators only; a --format {fmt}"):
+        export(ckpt, fmt, tmp_path / "out", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert main([str(ckpt), "--format", fmt, str(tmp_path / "out"), "--verifier", "x/y"]) == 2
+    assert not (tmp_path / "out").exists()
+
+
 def test_speculators_layout_carries_the_base_embedding_bit_identical(tiny_base, tmp_path):
     """speculators reads embed_tokens.weight from the export only (a missing one stays zero):
     it is written, bit for bit the base's, in both names of the layout; the sglang layout has
