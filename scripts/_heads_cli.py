@@ -31,8 +31,18 @@ def split_batches(reader, batch_size: int) -> Iterator[dict[str, Any]]:
         yield collate([reader[i] for i in range(start, min(start + batch_size, len(reader)))])
 
 
-def run_per_checkpoint(doc: str, measure: Callable[[Any, Iterator[dict[str, Any]]], Any]) -> dict[str, Any]:
-    """Parse the command line, apply ``measure`` to each checkpoint's head (eval mode), report JSON."""
+def run_per_checkpoint(doc: str, measure: Callable[[Any, Iterator[dict[str, Any]]], Any],
+                       argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse the command line, apply ``measure`` to each checkpoint's head (eval mode), report JSON.
+
+    Ordinary input errors are one ``error:`` line and exit 2, found before the base model loads where
+    they can be: a checkpoint that is not a head checkpoint, a missing cache split, an ``--out`` that
+    cannot be written, a split without the hidden-state layers a head reads; Ctrl-C exits 130.
+    """
+    from core.config import ConfigError, UserInputError, describe_os_error
+    from core.quiet import silence_known_noise
+
+    silence_known_noise()  # as every entry point: no library progress bars around the one error line
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoints", nargs="+", help="exported head directories (best/ or last/)")
     ap.add_argument("--cache", required=True, help="prepared cache directory (with train/ and val/)")
@@ -40,14 +50,41 @@ def run_per_checkpoint(doc: str, measure: Callable[[Any, Iterator[dict[str, Any]
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--model-path", default=None, help="base model (default: the packaged SmolLM2), as model.path")
     ap.add_argument("--out", default=None, help="also write the JSON here")
-    args = ap.parse_args()
-    model, _, _ = load_base_model({"path": args.model_path, "dtype": "float32"})
+    args = ap.parse_args(argv)
+    try:
+        return _run(args, measure)
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C): nothing was written", file=sys.stderr)
+        raise SystemExit(130) from None
+    except (FileNotFoundError, UserInputError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as exc:
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(args, measure) -> dict[str, Any]:
+    from core.config import UserInputError
+    from core.io import output_dir_problem
+    from heads.registry import check_checkpoint_dir
+    from train.run import check_reader_layers
+
+    if args.batch_size < 1:
+        raise UserInputError(f"--batch-size {args.batch_size}: must be >= 1")
+    for ckpt in args.checkpoints:  # before the base loads
+        check_checkpoint_dir(ckpt)
     reader = open_split(args.cache, args.split)
-    results = {}
-    for ckpt in args.checkpoints:
+    if args.out is not None and (problem := output_dir_problem(Path(args.out).parent)
+                                 or (f"{args.out} is a folder" if Path(args.out).is_dir() else None)):
+        raise UserInputError(f"--out {args.out}: {problem}")
+    model, _, _ = load_base_model({"path": args.model_path, "dtype": "float32"})
+    loaded = {}
+    for ckpt in args.checkpoints:  # every head checked against the split before any is measured
         head, _ = heads.load(ckpt, base_model=model)
-        head.eval()
-        results[ckpt] = measure(head, split_batches(reader, args.batch_size))
+        check_reader_layers(head, reader, args.split)
+        loaded[ckpt] = head.eval()
+    results = {ckpt: measure(head, split_batches(reader, args.batch_size)) for ckpt, head in loaded.items()}
     print(json.dumps(results, indent=2))
     if args.out:
         atomic_write_json(args.out, results)

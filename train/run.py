@@ -457,18 +457,30 @@ def check_cache_layers(head, datamodule) -> None:
     Raises:
         UserInputError: a split's manifest ``layers`` misses one of ``head.required_cache_layers``.
     """
-    need = [int(l) for l in getattr(head, "required_cache_layers", [])]
     for split in ("train", "val"):
         reader = getattr(datamodule, f"{split}_reader", None)
-        manifest = getattr(reader, "manifest", None)
-        if not need or manifest is None:
-            continue
-        have = [int(l) for l in manifest.get("layers", [])]
-        missing = [l for l in need if l not in have]
-        if missing:
-            raise UserInputError(f"the {head.head_type} head reads hidden states hs{missing} but cache split "
-                                 f"{getattr(reader, 'directory', split)} holds layers {have}; prepare a cache with "
-                                 f"{override('prep.layers', need)} (python -m data_prep {override('prep.layers', need)} ...)")
+        if reader is not None:
+            check_reader_layers(head, reader, split)
+
+
+def check_reader_layers(head, reader, split: str = "split") -> None:
+    """Fail before a head reads a cache split (``data_prep.cache.CacheReader``) that lacks one of its
+    ``head.required_cache_layers`` (EAGLE-3's and AdaDecode's intermediate hidden states).
+
+    Raises:
+        UserInputError: the split's manifest ``layers`` misses one (the message gives the data-prep
+            override that writes them).
+    """
+    need = [int(l) for l in getattr(head, "required_cache_layers", [])]
+    manifest = getattr(reader, "manifest", None)
+    if not need or manifest is None:
+        return
+    have = [int(l) for l in manifest.get("layers", [])]
+    missing = [l for l in need if l not in have]
+    if missing:
+        raise UserInputError(f"the {head.head_type} head reads hidden states hs{missing} but cache split "
+                             f"{getattr(reader, 'directory', split)} holds layers {have}; prepare a cache with "
+                             f"{override('prep.layers', need)} (python -m data_prep {override('prep.layers', need)} ...)")
 
 
 def refuse_existing_run(run_dir: Path) -> None:
