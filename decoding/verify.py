@@ -92,8 +92,9 @@ def prefill(base_model, prompt_ids: torch.Tensor, layers=None):
 def keep_cache_positions(cache, past_length: int, keep: torch.Tensor) -> None:
     """Keep cache positions ``[0, P)`` plus ``P + keep`` (in that order) in every layer; drop the rest.
 
-    Only the K kept tree slots move: they are gathered and written over slots ``[P, P + K)``, and
-    each layer is then cut to ``P + K`` positions (a view, as ``DynamicLayer.crop`` cuts).  The P
+    Only the K kept tree slots move: they are gathered and written over slots ``[P, P + K)`` (none
+    move when they already lead the block), and each layer is then cut to ``P + K`` positions (a
+    view, as ``DynamicLayer.crop`` cuts).  The P
     context positions are neither read nor copied, so the cost is O(K) per layer, not O(P + K)
     as an index-select of the whole layer would be (the next step's ``torch.cat`` in
     ``DynamicLayer.update`` allocates afresh, so the dropped tail is never reused).
@@ -110,18 +111,20 @@ def keep_cache_positions(cache, past_length: int, keep: torch.Tensor) -> None:
 
     keep = keep.reshape(-1).long()
     k = keep.numel()
+    # the kept slots already lead the tree block (the root alone, or the top-ranked path that
+    # depth-first order lays out first): nothing moves, every layer is only cut
+    prefix = bool((keep == torch.arange(k)).all())
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:
             raise TypeError(f"cache layer {i} is {type(layer).__name__}; tree verification needs DynamicLayer")
-        if not layer.is_initialized:
+        if not layer.is_initialized or layer.keys.shape[-2] == past_length + k and prefix:
             continue
-        n = layer.keys.shape[-2] - past_length
-        if not (k == n and bool((keep == torch.arange(n)).all())):
-            src = (past_length + keep).to(layer.keys.device)
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
+        src = None if prefix else (past_length + keep).to(layer.keys.device)
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            if src is not None:
                 t[..., past_length:past_length + k, :] = t.index_select(-2, src)  # a gathered copy, then written
-                setattr(layer, name, t[..., :past_length + k, :])
+            setattr(layer, name, t[..., :past_length + k, :])
 
 
 def crop_cache(cache, length: int) -> None:
