@@ -125,11 +125,19 @@ def _detect_cpu() -> Bf16Support:
     return classify_cpu(vendor, flags, platform.machine().lower(), _mkldnn_bf16())
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tile units for bf16 (``amx_bf16`` in ``/proc/cpuinfo``).  On such a CPU
-    oneDNN's prepacked bf16 products are the fastest bf16 kernels at every row count (issue 27:
-    :mod:`decoding.prepacked`)."""
-    return "amx_bf16" in _cpuinfo()[1]
+def packed_bf16_is_fastest() -> bool:
+    """Whether oneDNN's prepacked bf16 products were measured the fastest bf16 kernels on a CPU like this
+    one, so that ``eval.prepack_weights=auto`` packs a bf16 base (:mod:`decoding.prepacked`):
+
+    * a CPU with AMX (issue 27, an Intel Xeon): 25 against 58 us for SmolLM2's 576 -> 1536 product over one row;
+    * an AMD CPU with ``avx512_bf16`` (measured on a Zen 4, 2026-12-07; Zen 5 has the same bf16
+      instructions): SmolLM2's one-token step 38-40 against 44 ms unpacked, and a 9-node verification
+      1.02-1.04 one-token steps against 1.27 (docs/precision.md "On an AMD EPYC (Zen 4)").
+
+    Elsewhere (an Intel without AMX, aarch64) it was not measured, and ``auto`` leaves bf16 unpacked.
+    """
+    vendor, flags = _cpuinfo()
+    return "amx_bf16" in flags or ("avx512_bf16" in flags and vendor == "AuthenticAMD")
 
 
 def bf16_support(device: str | torch.device = "cpu") -> Bf16Support:

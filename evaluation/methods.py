@@ -129,8 +129,9 @@ def prepacked_products(model, ev) -> list[str]:
     * a bf16 / fp16 base on a CPU: every product of a layer whose packed products are row-consistent
       uses them, one-token steps included, so vanilla and verification still run one kernel
       (:func:`decoding.prepacked.prepack_row_consistent`).  ``auto`` does this where bf16 is native
-      through AMX (:func:`core.precision.cpu_has_amx`), where it was measured to be the fastest bf16
-      kernel; ``true`` does it on any CPU whose oneDNN packs the dtype.
+      and the packed products were measured the fastest bf16 kernels (AMX, and AMD's ``avx512_bf16``:
+      :func:`core.precision.packed_bf16_is_fastest`); ``true`` does it on any CPU whose oneDNN packs
+      the dtype.
 
     ``true`` requires packing to apply, ``false`` turns it off.
 
@@ -140,7 +141,7 @@ def prepacked_products(model, ev) -> list[str]:
     Raises:
         ValueError: ``eval.prepack_weights`` is not auto/true/false, or is true where it cannot apply.
     """
-    from core.precision import bf16_support, cpu_has_amx
+    from core.precision import bf16_support, packed_bf16_is_fastest
     from decoding.prepacked import (PACK_DTYPES, ROW_CONSISTENT_DTYPES, available, can_pack, prepack_linear_weights,
                                     prepack_row_consistent)
     from decoding.verify import model_device
@@ -154,7 +155,7 @@ def prepacked_products(model, ev) -> list[str]:
     device = model_device(model)
     packs = device.type == "cpu" and model.dtype in PACK_DTYPES + ROW_CONSISTENT_DTYPES and can_pack(model.dtype)
     if packs and model.dtype in ROW_CONSISTENT_DTYPES and mode == "auto":
-        packs = bf16_support(device).native and cpu_has_amx()
+        packs = bf16_support(device).native and packed_bf16_is_fastest()
         if not packs:
             return []
     if not packs:

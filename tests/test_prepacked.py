@@ -261,19 +261,23 @@ def test_bf16_row_consistent_packing_on_this_cpu():
         torch.testing.assert_close(one.float(), F.linear(x, lin.weight, lin.bias).float(), rtol=2e-2, atol=2e-2)
 
 
-def test_auto_packs_bf16_only_through_amx(monkeypatch):
+@pytest.mark.parametrize("vendor,flags,packs", [
+    ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, True),  # AMX (issue 27)
+    ("AuthenticAMD", {"avx512_bf16"}, True),  # Zen 4 (2026-12-07): packed one-row and 9-row products faster
+    ("GenuineIntel", {"avx512_bf16"}, False),  # an Intel without AMX: not measured, left alone
+    ("AuthenticAMD", {"avx2"}, False),  # Zen 3: bf16 is not native at all
+])
+def test_auto_packs_bf16_where_it_was_measured_fastest(monkeypatch, vendor, flags, packs):
     import core.precision as precision
     from core.precision import Bf16Support
 
     m16 = tiny_llama(seed=0).to(torch.bfloat16)
     auto = compose(rewrite_argv(["eval.prepack_weights=auto"])).eval
     monkeypatch.setattr(precision, "bf16_support", lambda device="cpu": Bf16Support("cpu", "native", "planted"))
-    monkeypatch.setattr(precision, "cpu_has_amx", lambda: False)
-    assert prepacked_products(m16, auto) == []  # native bf16 without AMX (an AMD EPYC): not measured, left alone
-    monkeypatch.setattr(precision, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(precision, "_cpuinfo", lambda: (vendor, flags))
     monkeypatch.setattr(prepacked, "can_pack", lambda dtype: True)
     monkeypatch.setattr(prepacked, "prepack_row_consistent", lambda model: ["planted"])
-    assert prepacked_products(m16, auto) == ["planted"]
+    assert prepacked_products(m16, auto) == (["planted"] if packs else [])
     monkeypatch.setattr(prepacked, "prepack_row_consistent", lambda model: [])
     assert prepacked_products(m16, auto) == []
     with pytest.raises(ValueError, match="not row-consistent on this CPU for any linear layer"):
