@@ -38,7 +38,10 @@ AMX").  There a bf16 layer is packed for *every* product, one-token steps includ
 its weight shape (:func:`consistent_rows`) finds the packed products row-consistent up to R rows (32
 there: from 33 rows oneDNN blocks differently), and a product over more rows is computed in chunks of
 at most R: vanilla's step and verification's rows then run one kernel, with no two-row padding.  A layer
-whose packed products are not row-consistent is left to :mod:`decoding.numerics`.
+whose packed products are not row-consistent is left to :mod:`decoding.numerics`.  On an AMD CPU with
+``avx512_bf16`` (a Zen 4, 2026-12-07) the packed bf16 products are row-consistent up to 16 rows for every
+SmolLM2 layer and faster there too (one-token step 38-40 against 44 ms; docs/precision.md "On an AMD EPYC
+(Zen 4)"), so ``eval.prepack_weights=auto`` packs there as well (:func:`core.precision.packed_bf16_is_fastest`).
 
 Products that need gradients run ``F.linear``; a weight changed after packing (or a deep-copied module)
 is repacked at its next packed product.
