@@ -127,6 +127,32 @@ def reference_labels(ev, model, device, row_padded: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(wanted))
 
 
+def packed_loader(load: Callable[[str], Any], ev) -> Callable[[str], Any]:
+    """``load`` (the base in a dtype) made to return each reference base packed as the evaluation packs
+    its own (:func:`evaluation.methods.prepacked_products`), once per dtype.
+
+    A vanilla reference in another dtype than the evaluation's (bf16 vanilla beside an fp32 evaluation,
+    fp32 beside a bf16 one) is then as fast as this machine makes that dtype: on an AMD with
+    ``avx512_bf16`` packed bf16 vanilla is 10-15 % faster than unpacked (docs/precision.md "On an AMD
+    EPYC (Zen 4)"), and an unpacked one would not be the fastest vanilla.  ``eval.prepack_weights=false``
+    leaves the references unpacked too; ``true`` packs them where ``auto`` would (a reference dtype
+    that cannot be packed is timed as it is, not refused).
+    """
+    from evaluation.config_checks import prepack_mode
+    from evaluation.methods import prepacked_products
+
+    mode = "false" if prepack_mode(ev.get("prepack_weights", "auto")) == "false" else "auto"
+    cache: dict[str, Any] = {}
+
+    def packed(dtype: str):
+        if dtype not in cache:
+            cache[dtype] = load(dtype)
+            prepacked_products(cache[dtype], {"prepack_weights": mode})
+        return cache[dtype]
+
+    return packed
+
+
 def build_references(labels: Sequence[str], model, load: Callable[[str], Any], eos_ids) -> dict[str, Callable]:
     """``{label: generate(ids, max_new) -> (tokens, stats)}`` vanilla greedy decoders, one per label.
 

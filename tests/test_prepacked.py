@@ -415,3 +415,28 @@ def test_auto_min_rows_packs_small_products_only_where_timed_faster(model, monke
     prepacked.prepack_linear_weights(model, min_rows="auto")
     out, _ = SpeculativeDecoder(model, OracleDrafter(model, 3, 2)).generate(ids, 20)
     assert out == ref
+
+
+@pytest.mark.skipif(not prepacked.can_pack(torch.float32), reason="oneDNN cannot pack fp32 on this CPU")
+def test_vanilla_references_are_packed_as_the_evaluation_packs_its_base():
+    """A vanilla reference in another dtype (the fastest-vanilla candidates) was loaded unpacked, so on a
+    CPU where packing speeds vanilla up it was not the fastest vanilla of that dtype.  It is now packed
+    as ``eval.prepack_weights`` packs the evaluation's base (once per dtype), decodes the same tokens, and
+    ``false`` leaves it unpacked."""
+    from decoding.vanilla import greedy_generate
+    from evaluation.fastest_vanilla import packed_loader
+
+    loads = []
+
+    def load(dtype):
+        loads.append(dtype)
+        return tiny_llama(seed=0, initializer_range=0.3).to(getattr(torch, dtype))
+
+    auto = packed_loader(load, compose(rewrite_argv(["eval.prepack_weights=auto"])).eval)
+    ref = auto("float32")
+    assert auto("float32") is ref and loads == ["float32"]
+    assert all(hasattr(lin, prepacked._PACKED) for lin in _linears(ref))
+    ids = torch.arange(3, 40)
+    assert greedy_generate(ref, ids, 12)[0] == greedy_generate(load("float32"), ids, 12)[0]
+    off = packed_loader(load, compose(rewrite_argv(["eval.prepack_weights=false"])).eval)("float32")
+    assert not any(hasattr(lin, prepacked._PACKED) for lin in _linears(off))
