@@ -46,7 +46,9 @@ def frozen_copy(module: nn.Module) -> nn.Module:
         for name, p in list(sub._parameters.items()):
             del sub._parameters[name]
             sub.register_buffer(name, None if p is None else p.detach(), persistent=False)
-    return out
+    # in a new module's mode, then its owner's: a copy of the (eval-mode) base's module stayed in eval mode, so
+    # Lightning warned of a module "in eval mode at the start of training" on every run (a norm computes alike in both)
+    return out.train()
 
 
 @dataclass(frozen=True)

@@ -305,3 +305,18 @@ def test_adadecode_parity_with_excluded_needed_tokens(varied):
         assert out == ref
         assert stats["accepted_exits"] == 0  # no needed token can be drafted, so no exit is ever accepted
     assert drafts and set(drafts).isdisjoint(needed) and set(drafts) <= set(head.d2t.tolist())
+
+
+@pytest.mark.parametrize("head_type", ["falcon_k1", "ctc", "eagle3", "adadecode"])
+def test_a_new_head_has_no_module_in_eval_mode(head_type):
+    """Lightning warns of every module in eval mode at the start of training; the frozen copy of the base's
+    final norm (``heads.base.frozen_copy``) kept the eval mode of the base it was copied from."""
+    import heads
+    from core.config import compose
+    from core.tiny import tiny_llama
+
+    base = tiny_llama(seed=0).eval()
+    layers = ["heads.layers=[1,2,3]"] if head_type in ("eagle3", "adadecode") else []
+    head = heads.build(compose([f"heads={head_type}", *layers]).heads, base)
+    assert [n for n, m in head.named_modules() if not m.training] == []
+    assert not base.training  # the base itself is left as it was
