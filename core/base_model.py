@@ -280,3 +280,19 @@ def load_base_model(model_cfg: Any):
         weights_sha256=digest,
     )
     return model, tokenizer, identity
+
+
+def load_base_model_as(model_cfg: Any, dtype: str, device=None):
+    """The base of ``model_cfg`` (the ``model`` section) loaded afresh in ``dtype`` (``float32``,
+    ``bfloat16``...), on ``device`` when given: a plain copy (no packed or padded products), for a second
+    dtype beside the one a run decodes in (the evaluation's fp32 margins, its vanilla references).
+
+    Returns:
+        The model only (see :func:`load_base_model`; raises as it does).
+    """
+    from core.config import to_container
+
+    mc = to_container(model_cfg) if not isinstance(model_cfg, dict) else dict(model_cfg)
+    mc["dtype"] = dtype
+    model = load_base_model(mc)[0]
+    return model if device is None else model.to(device)

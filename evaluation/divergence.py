@@ -148,7 +148,7 @@ class Accountant:
         """The accountant of a greedy evaluation whose base is not fp32 (None otherwise: fp32 parity
         is exact).  Turns on ``trace_logits`` of every decoder that has it, and loads the fp32
         copy from ``cfg.model`` with ``dtype=float32`` when first needed (or calls ``load``, which
-        returns it: the runner shares one fp32 copy with :mod:`evaluation.fastest_vanilla`)."""
+        returns it)."""
         if model.dtype == torch.float32 or float(cfg.eval.get("temperature") or 0.0) > 0:
             return None
         for d in decoders:
@@ -157,14 +157,11 @@ class Accountant:
         dev = next(model.parameters()).device
 
         def load_fp32():
-            from core.base_model import load_base_model
-            from core.config import to_container
+            from core.base_model import load_base_model_as
 
-            mc = to_container(cfg.model)
-            mc["dtype"] = "float32"
             log.info("a divergence from %s vanilla decoding: loading an fp32 copy of the base for its margin",
                      str(model.dtype).replace("torch.", ""))
-            return load_base_model(mc)[0].to(dev)
+            return load_base_model_as(cfg.model, "float32", dev)
 
         return cls(model, load or load_fp32, tokenizer)
 

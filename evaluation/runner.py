@@ -31,8 +31,7 @@ from core.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from decoding.cost_model import omp_wait_policy
 from decoding.vanilla import check_context_limit, eos_token_ids, greedy_generate, sample_generate
 from evaluation.divergence import Accountant, add_accounting, failing_ids
-from evaluation.fastest_vanilla import build_references, fastest, reference_labels
-from evaluation.fastest_vanilla import packed_loader
+from evaluation.fastest_vanilla import build_references, fastest, packed_loader, reference_labels
 from evaluation.methods import (REFERENCE_DRAFTERS, build_decoder, checkpoint_label, prepacked_products,
                                 resolve_device, row_consistent_products, variant_configs)
 from evaluation.plots import plot
@@ -56,15 +55,6 @@ class ParityError(RuntimeError):
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def load_base_model_in(cfg: DictConfig, dtype: str, device):
-    """The run's base model (``cfg.model``) loaded afresh in ``dtype`` on ``device`` (unpacked, unpadded)."""
-    from core.base_model import load_base_model
-
-    mc = to_container(cfg.model)
-    mc["dtype"] = dtype
-    return load_base_model(mc)[0].to(device)
 
 
 def default_output_dir(cfg: DictConfig, info: dict[str, Any]) -> Path:
@@ -289,18 +279,14 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     probe_owners = [j for j, m in enumerate(methods) if "probe_decoder" in m[3]]
     decoders = [m[2] for m in methods] + [methods[j][3].pop("probe_decoder") for j in probe_owners]
     probes = ProbeTallies(probe_owners, len(methods))
-    # bf16 / fp16 greedy: every divergence from vanilla (methods and probes) is accounted for (near tie or real error)
-    loaded: dict[str, Any] = {}
+    from core.base_model import load_base_model_as
 
-    def load_base(dtype: str):  # the base in another dtype for the fp32 margins: once per dtype
-        if dtype not in loaded:
-            loaded[dtype] = load_base_model_in(cfg, dtype, device)
-        return loaded[dtype]
-
-    accountant = Accountant.for_run(cfg, model, tokenizer, decoders, load=lambda: load_base("float32"))
+    # bf16 / fp16 greedy: every divergence from vanilla (methods and probes) is accounted for (near tie or real
+    # error), against a plain fp32 copy loaded at the first divergence; the vanilla references are packed
+    accountant = Accountant.for_run(cfg, model, tokenizer, decoders)
     # the speed headline is against the fastest vanilla on this machine (eval.fastest_vanilla)
     refs = build_references(reference_labels(ev, model, device, row_padded), model,
-                            packed_loader(lambda dtype: load_base_model_in(cfg, dtype, device), ev), eos_ids)
+                            packed_loader(lambda dtype: load_base_model_as(cfg.model, dtype, device), ev), eos_ids)
     ref_tally: dict[str, dict[str, float]] = {label: {"tokens": 0, "seconds": 0.0, "prompts": 0} for label in refs}
     out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, methods[0][3])
     out_dir.mkdir(parents=True, exist_ok=True)
