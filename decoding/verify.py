@@ -94,10 +94,10 @@ def keep_cache_positions(cache, past_length: int, keep: torch.Tensor) -> None:
 
     Only the K kept tree slots move: they are gathered and written over slots ``[P, P + K)`` (none
     move when they already lead the block), and each layer is then cut to ``P + K`` positions (a
-    view, as ``DynamicLayer.crop`` cuts).  The P
-    context positions are neither read nor copied, so the cost is O(K) per layer, not O(P + K)
-    as an index-select of the whole layer would be (the next step's ``torch.cat`` in
-    ``DynamicLayer.update`` allocates afresh, so the dropped tail is never reused).
+    view, as ``DynamicLayer.crop`` cuts).  The P context positions are neither read nor copied, so
+    the cost is O(K) per layer, not O(P + K) as an index-select of the whole layer would be (the
+    next step's ``torch.cat`` in ``DynamicLayer.update`` allocates afresh, so the dropped tail is
+    never reused).
 
     Args:
         cache: a ``DynamicCache`` whose layers hold keys/values [B, heads, S, head_dim].
@@ -114,12 +114,13 @@ def keep_cache_positions(cache, past_length: int, keep: torch.Tensor) -> None:
     # the kept slots already lead the tree block (the root alone, or the top-ranked path that
     # depth-first order lays out first): nothing moves, every layer is only cut
     prefix = bool((keep == torch.arange(k)).all())
+    slots = None if prefix else past_length + keep  # the kept slots' cache positions, once for every layer
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:
             raise TypeError(f"cache layer {i} is {type(layer).__name__}; tree verification needs DynamicLayer")
-        if not layer.is_initialized or layer.keys.shape[-2] == past_length + k and prefix:
+        if not layer.is_initialized or (prefix and layer.keys.shape[-2] == past_length + k):
             continue
-        src = None if prefix else (past_length + keep).to(layer.keys.device)
+        src = None if slots is None else slots.to(layer.keys.device)
         for name in ("keys", "values"):
             t = getattr(layer, name)
             if src is not None:
