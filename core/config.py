@@ -373,8 +373,17 @@ def run_cli(fn: Callable[[DictConfig], object], argv: Sequence[str] | None = Non
     go on) and exits with 130; anything else propagates.
     """
     cfg = cli(argv, doc)
+    return report_errors(lambda: fn(cfg), interrupted)
+
+
+def report_errors(call: Callable[[], Any], interrupted: str = "interrupted (Ctrl-C)"):
+    """``call()``, with the ordinary failures of a command line turned into one line each: a missing
+    input file (``FileNotFoundError``), a :class:`UserInputError` or :class:`ConfigError`, or any other
+    ``OSError`` (:func:`describe_os_error`) prints ``error: ...`` and exits with 2; Ctrl-C prints
+    ``interrupted`` and exits with 130; anything else propagates.  Used by :func:`run_cli` and the
+    scripts with their own argument parsers (``scripts/_heads_cli.py``)."""
     try:
-        return fn(cfg)
+        return call()
     except KeyboardInterrupt:
         print(f"\n{interrupted}", file=sys.stderr)
         raise SystemExit(130) from None

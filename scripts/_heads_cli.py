@@ -39,7 +39,7 @@ def run_per_checkpoint(doc: str, measure: Callable[[Any, Iterator[dict[str, Any]
     they can be: a checkpoint that is not a head checkpoint, a missing cache split, an ``--out`` that
     cannot be written, a split without the hidden-state layers a head reads; Ctrl-C exits 130.
     """
-    from core.config import ConfigError, UserInputError, describe_os_error
+    from core.config import report_errors
     from core.quiet import silence_known_noise
 
     silence_known_noise()  # as every entry point: no library progress bars around the one error line
@@ -51,17 +51,7 @@ def run_per_checkpoint(doc: str, measure: Callable[[Any, Iterator[dict[str, Any]
     ap.add_argument("--model-path", default=None, help="base model (default: the packaged SmolLM2), as model.path")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
-    try:
-        return _run(args, measure)
-    except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C): nothing was written", file=sys.stderr)
-        raise SystemExit(130) from None
-    except (FileNotFoundError, UserInputError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except OSError as exc:
-        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
-        raise SystemExit(2) from None
+    return report_errors(lambda: _run(args, measure), "interrupted (Ctrl-C): nothing was written")
 
 
 def _run(args, measure) -> dict[str, Any]:
