@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from core.io import atomic_write_json, make_tmp_dir, sha256_file
+from core.logit_transform import check_logit_transform
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,15 @@ def load_tokenizer(model_cfg: Any):
     return AutoTokenizer.from_pretrained(load_path, trust_remote_code=bool(model_cfg.get("trust_remote_code", False)))
 
 
+def load_base_config(model_cfg: Any):
+    """The configured base's ``transformers.PretrainedConfig`` alone, without its weights (converting a
+    GGUF once if needed): for checks that must refuse a setting before the base loads."""
+    from transformers import AutoConfig
+
+    load_path, _, _ = resolve_model_dir(model_cfg)
+    return AutoConfig.from_pretrained(load_path, trust_remote_code=bool(model_cfg.get("trust_remote_code", False)))
+
+
 def load_base_model(model_cfg: Any):
     """Load the frozen base model and its tokenizer.
 
@@ -248,6 +258,8 @@ def load_base_model(model_cfg: Any):
     Raises:
         FileNotFoundError: the GGUF file or the packaged model is missing.
         OSError: transformers cannot load the folder or hub id.
+        ValueError: the model's logits are not its LM head's product of its final hidden state under a
+            map draftheads applies (:func:`core.logit_transform.check_logit_transform`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -263,6 +275,7 @@ def load_base_model(model_cfg: Any):
     tokenizer = AutoTokenizer.from_pretrained(load_path, trust_remote_code=trust)
     model.eval()
     model.requires_grad_(False)
+    check_logit_transform(model, f"model.path={source!r}")  # refuses a base whose logits are not transform(W h_L)
     cfg = model.config
     from core.weights_digest import weights_sha256
 

@@ -27,6 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
+from core.logit_transform import logit_transform
+
 #: fields compared between a cache and an offline training run (the base forward's settings)
 COMPUTE_FIELDS = ("compute_dtype",)
 
@@ -168,10 +170,11 @@ def teacher_forced(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     out = model.base_model(input_ids=input_ids, attention_mask=attn.long(), output_hidden_states=True, use_cache=False)
     hs = out.hidden_states
     flat = hs[-1][attn]
-    head = model.get_output_embeddings()
+    head, transform = model.get_output_embeddings(), logit_transform(model.config)
     picked, ok = [], []
     for j in range(0, flat.shape[0], head_chunk):
-        label, finite_row = greedy_labels(head(flat[j: j + head_chunk]))
+        z = head(flat[j: j + head_chunk])
+        label, finite_row = greedy_labels(z if transform.is_identity else transform(z))  # the base's own logits
         picked.append(label)
         ok.append(finite_row)
     labels = torch.zeros(input_ids.shape, dtype=torch.long, device=input_ids.device)

@@ -45,11 +45,12 @@ from typing import Iterable, Sequence
 
 import torch
 
+from core.logit_transform import logit_transform
 from decoding.margins import top2
 from decoding.ranking import greedy_ids
 from decoding.sampling import sample, verify_draft, warp
 from decoding.vanilla import check_generate_args
-from decoding.verify import new_cache, prefill
+from decoding.verify import check_full_attention_cache, new_cache, prefill
 
 
 def _inner(model):
@@ -109,7 +110,7 @@ def layerwise_forward(model, input_ids: torch.Tensor, cache=None) -> torch.Tenso
     h = inner.embed_tokens(ids)
     for i in range(model.config.num_hidden_layers):
         h = layer_step(model, i, h, start, cache)
-    return model.get_output_embeddings()(inner.norm(h))[0]
+    return logit_transform(model.config)(model.get_output_embeddings()(inner.norm(h)))[0]
 
 
 @dataclass
@@ -140,17 +141,21 @@ class AdaDecodeDecoder:
         seed: seed of the decoder's ``torch.Generator`` (all sampling randomness; τ > 0 only).
 
     Raises:
-        ValueError: a schedule of the wrong length, ``max_inflight`` < 1, or ``temperature`` < 0.
+        ValueError: a schedule of the wrong length, ``max_inflight`` < 1, ``temperature`` < 0, or a base whose
+            KV cache is not full attention (:func:`decoding.verify.check_full_attention_cache`).
     """
 
     def __init__(self, base_model, head, gamma: float | None = None, gamma_schedule: Sequence[float] | None = None,
                  max_inflight: int | None = None, eos_token_ids: Iterable[int] | None = None,
                  temperature: float = 0.0, seed: int = 0) -> None:
+        check_full_attention_cache(base_model)  # rollback cuts cached positions by index
         self.model = base_model
         inner = _inner(base_model)
         self.embed = inner.embed_tokens
         self.norm = inner.norm
-        self.lm_head = base_model.get_output_embeddings()
+        head_module, self.logit_map = base_model.get_output_embeddings(), logit_transform(base_model.config)
+        # the base's logits of a post-norm hidden state: its LM head, then its own map (Gemma 2's soft-capping...)
+        self.lm_head = head_module if self.logit_map.is_identity else (lambda h: self.logit_map(head_module(h)))
         self.L = int(base_model.config.num_hidden_layers)
         self.exit_layers = list(head.layers)
         if gamma_schedule is not None:
@@ -171,9 +176,9 @@ class AdaDecodeDecoder:
         # draft vocabulary (issue 13): the exits score only W[d2t] (N rows) and map back through d2t;
         # verification below still uses the full LM head, so the output is unchanged
         self.d2t = head.d2t.detach().to(p.device) if head.draft_vocab_size is not None else None
-        self.exit_weight = (self.lm_head.weight.detach().index_select(0, self.d2t) if self.d2t is not None
-                            else self.lm_head.weight.detach())
-        self.vocab_size = int(self.lm_head.weight.shape[0])
+        self.exit_weight = (head_module.weight.detach().index_select(0, self.d2t) if self.d2t is not None
+                            else head_module.weight.detach())
+        self.vocab_size = int(head_module.weight.shape[0])
         if eos_token_ids is None:
             src = getattr(getattr(base_model, "generation_config", None), "eos_token_id", None)
             src = base_model.config.eos_token_id if src is None else src
@@ -193,8 +198,9 @@ class AdaDecodeDecoder:
     # -- pieces --------------------------------------------------------------------------------
     def head_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """z^(ℓ) = W·T_ℓ·norm(h) for h [..., H] (model dtype) -> [..., V], or [..., N] over the draft
-        vocabulary (W = W[d2t], column i = base token ``d2t[i]``)."""
-        return (self.norm(h) @ self.transforms[layer].T) @ self.exit_weight.T
+        vocabulary (W = W[d2t], column i = base token ``d2t[i]``), under the base's logit map."""
+        z = (self.norm(h) @ self.transforms[layer].T) @ self.exit_weight.T
+        return z if self.logit_map.is_identity else self.logit_map(z)
 
     def propose(self, layer: int, h: torch.Tensor, token: _Token) -> int | None:
         """The early-exit decision at candidate ``layer`` for the newest token (hidden h [H]):

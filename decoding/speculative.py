@@ -33,7 +33,7 @@ import torch
 from decoding.margins import top2
 from decoding.tree import DraftTree
 from decoding.vanilla import check_generate_args, context_limit
-from decoding.verify import prefill, verify_tree
+from decoding.verify import check_full_attention_cache, prefill, verify_tree
 
 
 @runtime_checkable
@@ -122,13 +122,15 @@ class SpeculativeDecoder:
 
     Raises:
         TypeError: ``drafter`` lacks ``start``/``draft``/``accept``.
-        ValueError: a drafted tree's root is not the last emitted token; prompt length +
+        ValueError: a base whose KV cache is not full attention (:func:`decoding.verify.check_full_attention_cache`);
+            a drafted tree's root is not the last emitted token; prompt length +
             ``max_new_tokens`` beyond the base's ``max_position_embeddings`` (raised before decoding).
     """
 
     def __init__(self, base_model, drafter, eos_token_ids: Iterable[int] = ()) -> None:
         if not isinstance(drafter, Drafter):
             raise TypeError(f"{type(drafter).__name__} does not implement start/draft/accept (decoding.speculative.Drafter)")
+        check_full_attention_cache(base_model)
         self.base_model = base_model
         self.drafter = drafter
         self.eos_token_ids = [int(e) for e in eos_token_ids]

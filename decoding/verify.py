@@ -33,6 +33,27 @@ def new_cache(base_model):
     return DynamicCache(config=base_model.config)
 
 
+def check_full_attention_cache(base_model) -> None:
+    """Refuse a base whose KV cache is not plain full attention in every layer.
+
+    Tree verification (and AdaDecode's rollback) cuts and reorders cached positions by index
+    (:func:`keep_cache_positions`), which a sliding-window layer (Gemma 2 and 3, Mistral with
+    ``sliding_window``) or any other cache layer type does not support.
+
+    Raises:
+        ValueError: naming the model class and the layers that are not full attention.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    other = [f"{i} ({type(layer).__name__})" for i, layer in enumerate(new_cache(base_model).layers)
+             if type(layer) is not DynamicLayer]
+    if other:
+        shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
+        raise ValueError(f"the base model ({type(base_model).__name__}) keeps a KV cache that is not full attention in "
+                         f"layers {shown}: lossless tree verification here needs full-attention layers, so speculative "
+                         "decoding over this base is not supported (its draft heads can still be trained and exported)")
+
+
 def model_device(base_model) -> torch.device:
     return next(base_model.parameters()).device
 

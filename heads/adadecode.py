@@ -239,7 +239,8 @@ class AdaDecodeHead(DraftHead):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             probs, entropy = teacher_entropy(self.teacher_logits(hidden))
             w, h_sum = self.draft_lm_head_rows, entropy.sum()
-            return torch.stack([linear_soft_cross_entropy(self.layer_features(layer, h), w, probs).loss - h_sum
+            return torch.stack([linear_soft_cross_entropy(self.layer_features(layer, h), w, probs,
+                                                          transform=self.logit_transform).loss - h_sum
                                 for layer, h in zip(self.layers, aux)])
 
     def training_loss(self, batch: dict[str, Any], progress: Progress) -> tuple[torch.Tensor, dict[str, float]]:

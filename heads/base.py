@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from core.frozen_linear import FrozenLinear
+from core.logit_transform import logit_transform
 
 
 #: ``heads`` keys every head accepts (handled here, not by the head class): the draft vocabulary
@@ -95,6 +96,9 @@ class DraftHead(nn.Module):
         self.base_config = base_config
         self.hidden_size = int(base_config.hidden_size)
         self.vocab_size = int(base_config.vocab_size)
+        #: what the base does to W h before it returns logits (Gemma 2's soft-capping...): every score of
+        #: the frozen LM head below applies it, so teachers and drafts use the base's own distribution
+        self.logit_transform = logit_transform(base_config)
         self._init_draft_vocab()
 
     # -- borrowed frozen weights ---------------------------------------------------------------
@@ -118,8 +122,13 @@ class DraftHead(nn.Module):
         return nn.functional.embedding(ids, self.embed_weight)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """Frozen LM head: h [..., H] -> logits [..., V] (in h's dtype)."""
-        return h @ self.lm_head_weight.to(h.dtype).T
+        """Frozen LM head: h [..., H] -> logits [..., V] (in h's dtype), the base's logits of a final
+        (post-norm) hidden state: W h under the base's :attr:`logit_transform`."""
+        return self._logits(h @ self.lm_head_weight.to(h.dtype).T)
+
+    def _logits(self, z: torch.Tensor) -> torch.Tensor:
+        t = self.logit_transform
+        return z if t.is_identity else t(z)
 
     # -- draft vocabulary (heads.draft_vocab; FR-Spec / EAGLE-3 d2t) ---------------------------
     def _init_draft_vocab(self) -> None:
@@ -229,11 +238,12 @@ class DraftHead(nn.Module):
     def draft_lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Frozen LM head restricted to the draft vocabulary (FR-Spec): h [..., H] → [..., N] (h's dtype).
 
-        Column i scores base token ``d2t[i]``; with no draft vocabulary this is :meth:`lm_head` ([..., V]).
-        The product runs in the module ``frozen_draft_lm_head`` (:class:`core.frozen_linear.FrozenLinear`),
-        which decoding may prepack for oneDNN like the base's layers (:func:`evaluation.methods.pack_like_base`).
+        Column i scores base token ``d2t[i]``; with no draft vocabulary this is :meth:`lm_head` ([..., V]),
+        the base's :attr:`logit_transform` included.  The product runs in the module ``frozen_draft_lm_head``
+        (:class:`core.frozen_linear.FrozenLinear`), which decoding may prepack for oneDNN like the base's
+        layers (:func:`evaluation.methods.pack_like_base`).
         """
-        return self.frozen_draft_lm_head(h)
+        return self._logits(self.frozen_draft_lm_head(h))
 
     def to_draft_ids(self, base_ids: torch.Tensor) -> torch.Tensor:
         """Base ids [...] (long) → draft indices [...] (−1 outside the draft vocabulary); identity if full."""

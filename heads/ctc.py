@@ -34,7 +34,6 @@ so it is a dense regulariser; 0 = the pure §2.6 objective).
 """
 from __future__ import annotations
 
-import copy
 import zlib
 from typing import Any
 
@@ -44,6 +43,7 @@ from torch import nn
 
 from decoding.masks import additive_mask
 from heads.base import DraftHead, Progress
+from heads.layer_config import draft_layer_config
 from heads.registry import register
 
 DEFAULTS: dict[str, Any] = {
@@ -120,8 +120,7 @@ class CTCHead(DraftHead):
         self.num_slots = int(cfg["slots"])
         self.num_targets = int(cfg["targets"])
         h = self.hidden_size
-        layer_cfg = copy.deepcopy(base_config)
-        layer_cfg._attn_implementation = cfg["attn_implementation"]
+        layer_cfg = draft_layer_config(base_config, cfg["attn_implementation"])
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.slot_fc = nn.Linear(2 * h, h, bias=True)
         self.slot_embed = nn.Parameter(torch.randn(self.num_slots, h) * float(getattr(base_config, "initializer_range", 0.02)))

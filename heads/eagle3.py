@@ -57,6 +57,7 @@ from torch import nn
 
 from core.config import override
 from heads.base import DraftHead, Progress
+from heads.layer_config import draft_layer_config
 from heads.registry import register
 from losses.eagle3 import TARGETS, soft_cross_entropy, ttt_combine, ttt_loss, ttt_step_masks
 from losses.linear_soft_ce import linear_soft_cross_entropy
@@ -308,11 +309,11 @@ class Eagle3Head(DraftHead):
         H = self.hidden_size
         self.layers = [int(x) for x in merged["layers"]]
         self.ttt_steps = int(merged["ttt_steps"])
-        layer_cfg = copy.deepcopy(base_config)
+        layer_cfg = draft_layer_config(base_config)
         self.layer_config = layer_cfg
         self.fc = nn.Linear(3 * H, H, bias=False)
         self.midlayer = Eagle3DecoderLayer(layer_cfg, norm_before_residual=merged["norm_before_residual"])
-        self.norm = LlamaRMSNorm(H, eps=float(getattr(base_config, "rms_norm_eps", 1e-6)))
+        self.norm = LlamaRMSNorm(H, eps=float(layer_cfg.rms_norm_eps))
         # own trainable head; not `lm_head` / `draft_lm_head` (DraftHead's frozen W / W[d2t] methods)
         self.trainable_lm_head = DraftLMHead(H, self.num_draft_tokens)
         self.rotary_emb = RotaryEmbedding(layer_cfg)

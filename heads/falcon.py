@@ -25,6 +25,7 @@ from torch import nn
 
 from decoding.masks import additive_mask, block_causal_mask
 from heads.base import DraftHead, Progress
+from heads.layer_config import draft_layer_config
 from heads.registry import register
 from losses.falcon import falcon_loss, falcon_loss_fused, glancing_positions, glancing_ratio
 
@@ -125,8 +126,7 @@ class FalconHead(DraftHead):
 
         FalconTreeTemplate.from_config(c["decoding"]["tree"], self.k, int(c["decoding"]["passes"]))
         H = self.hidden_size
-        layer_cfg = copy.deepcopy(base_config)
-        layer_cfg._attn_implementation = c["attn_implementation"]
+        layer_cfg = draft_layer_config(base_config, c["attn_implementation"])
         self.layer_config = layer_cfg
         self.fuse_type = c["fuse"]
         if self.fuse_type == "linear":
@@ -159,10 +159,11 @@ class FalconHead(DraftHead):
         return out.reshape(B, T, -1)
 
     def logits_fp32(self, h: torch.Tensor) -> torch.Tensor:
-        """W h in fp32 with autocast off over the draft vocabulary: h [..., H] → logits [..., N]
-        float32 (N = ``draft_vocab_size``, or V; column i scores base token ``d2t[i]``)."""
+        """W h in fp32 with autocast off over the draft vocabulary, under the base's logit transform:
+        h [..., H] → logits [..., N] float32 (N = ``draft_vocab_size``, or V; column i scores base token
+        ``d2t[i]``)."""
         with torch.autocast(device_type=h.device.type, enabled=False):
-            return h.float() @ self.draft_lm_head_rows.float().T
+            return self._logits(h.float() @ self.draft_lm_head_rows.float().T)
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor, cache=None) -> torch.Tensor:
@@ -269,7 +270,8 @@ class FalconHead(DraftHead):
         coef = dict(alpha=float(L["alpha"]), omega=float(L["omega"]), beta=float(L["beta"]),
                     ce_mask=ce_mask, teacher_ids=teacher_ids)
         if torch.is_grad_enabled() and coef["alpha"] > 0:
-            loss, parts, student_ids = falcon_loss_fused(sel_pred, sel_tgt, self.draft_lm_head_rows, teacher, **coef)
+            loss, parts, student_ids = falcon_loss_fused(sel_pred, sel_tgt, self.draft_lm_head_rows, teacher,
+                                                         transform=self.logit_transform, **coef)
             return loss, parts, None, student_ids
         student = self.logits_fp32(sel_pred)
         loss, parts = falcon_loss(sel_pred, sel_tgt, student, teacher,

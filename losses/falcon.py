@@ -98,6 +98,7 @@ def falcon_loss_fused(
     beta: float = 1.0,
     ce_mask: torch.Tensor | None = None,
     teacher_ids: torch.Tensor | None = None,
+    transform=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """:func:`falcon_loss` over every row, with the student logits q = softmax(W f̂) never formed.
 
@@ -113,6 +114,8 @@ def falcon_loss_fused(
         weight: the frozen LM head's rows [N, H] (W, or W[d2t] over a draft vocabulary).
         teacher_logits: W f_{t+k} [M, N] (no gradient).
         alpha, omega, beta, ce_mask, teacher_ids: as :func:`falcon_loss`; ``alpha`` must be > 0.
+        transform: the base's map of W f̂ to its logits (:class:`core.logit_transform.LogitTransform`;
+            None = none), as the student logits of :func:`falcon_loss` were made with it.
 
     Returns:
         ``(loss, parts, student_ids)``: as :func:`falcon_loss`, plus the student argmax [M] int64.
@@ -141,10 +144,11 @@ def falcon_loss_fused(
         target = probs.mul_(alpha / max(M, 1))
         target[rows, y[rows]] += (1.0 - alpha) / n_ce
         mass = torch.full((M,), alpha / max(M, 1), dtype=torch.float32, device=f.device) + keep * ((1.0 - alpha) / n_ce)
-        out = linear_soft_cross_entropy(f, w, target, mass=mass)
+        out = linear_soft_cross_entropy(f, w, target, mass=mass, transform=transform)
         distill = out.loss - alpha * entropy.sum() / max(M, 1)
         with torch.no_grad():
-            ce_m = (out.lse[rows] - torch.linalg.vecdot(f[rows], w[y[rows]])).sum() / n_ce
+            z_y = torch.linalg.vecdot(f[rows], w[y[rows]])
+            ce_m = (out.lse[rows] - (z_y if transform is None else transform(z_y))).sum() / n_ce
             kl_m = (distill - (1.0 - alpha) * ce_m) / alpha
     loss = reg_m + omega * distill
     return loss, {"reg": reg_m.detach(), "kl": kl_m.detach(), "ce": ce_m.detach()}, out.argmax

@@ -41,7 +41,7 @@ class LinearSoftCE(NamedTuple):
     lse: torch.Tensor     # [M] logsumexp_v z_rv, float32 (float64), detached
 
 
-def _chunked(x, weight, probs, mass, compute_dtype, chunk_rows, need_x, need_w):
+def _chunked(x, weight, probs, mass, compute_dtype, chunk_rows, need_x, need_w, transform=None):
     """(Σ CE, argmax [M], lse [M], ∂/∂x [M, H] or None, ∂/∂W [N, H] or None), one row chunk at a time."""
     with torch.autocast(device_type=x.device.type, enabled=False):
         xs = x.to(compute_dtype)
@@ -55,6 +55,9 @@ def _chunked(x, weight, probs, mass, compute_dtype, chunk_rows, need_x, need_w):
         for s in range(0, x.shape[0], chunk_rows):
             xc = xs[s:s + chunk_rows]
             z = (xc @ w.T).to(acc)                                       # [c, N]
+            if transform is not None:                                    # the base's own logit map
+                z = transform(z)
+                dz = transform.derivative(z) if (need_x or need_w) else None
             argmax[s:s + chunk_rows] = z.argmax(-1)
             p = probs[s:s + chunk_rows]
             lse = torch.logsumexp(z, dim=-1)
@@ -64,7 +67,8 @@ def _chunked(x, weight, probs, mass, compute_dtype, chunk_rows, need_x, need_w):
             if not (need_x or need_w):
                 continue
             g = z.sub_(lse.unsqueeze(-1)).exp_()                           # softmax(z)
-            g = (g if m is None else g.mul_(m.unsqueeze(-1))).sub_(p).to(compute_dtype)  # m·softmax(z) − p
+            g = (g if m is None else g.mul_(m.unsqueeze(-1))).sub_(p)    # m·softmax(z) − p
+            g = (g if transform is None else g.mul_(dz)).to(compute_dtype)  # through the map to x Wᵀ
             if need_x:
                 gx[s:s + chunk_rows] = g @ w
             if need_w:
@@ -76,9 +80,9 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
     """Σ_r CE(p_r, W x_r) with its gradients taken in the forward (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, probs, mass, compute_dtype, chunk_rows):
+    def forward(ctx, x, weight, probs, mass, compute_dtype, chunk_rows, transform):
         total, argmax, lse, gx, gw = _chunked(x, weight, probs, mass, compute_dtype, chunk_rows,
-                                              ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+                                              ctx.needs_input_grad[0], ctx.needs_input_grad[1], transform)
         ctx.save_for_backward(gx, gw)
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.mark_non_differentiable(argmax, lse)
@@ -90,11 +94,12 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         gx, gw = ctx.saved_tensors
         grad_x = None if gx is None else (gx.to(grad_total.dtype) * grad_total).to(ctx.x_dtype)
         grad_w = None if gw is None else (gw * grad_total).to(ctx.w_dtype)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def linear_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor,
-                              mass: torch.Tensor | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> LinearSoftCE:
+                              mass: torch.Tensor | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                              transform=None) -> LinearSoftCE:
     """Σ_r −Σ_v p_rv · log softmax(W x_r)_v, with argmax_v and logsumexp_v of W x_r, without an [M, N] logit tensor.
 
     Equal, to floating-point rounding, to
@@ -113,6 +118,9 @@ def linear_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, probs: torc
         mass: [M] the row sums m_r = Σ_v p_rv, or None when every row is a distribution (m_r = 1,
             taken as exact: no summation rounding enters the loss).
         chunk_rows: rows per chunk (bounds the [chunk, N] working set).
+        transform: the base's map of its LM head's product (:class:`core.logit_transform.LogitTransform`,
+            e.g. Gemma 2's final soft-capping): the logits are ``transform(x Wᵀ)`` and the gradients
+            pass through it; None or the identity map: ``x Wᵀ``.
 
     Returns:
         :class:`LinearSoftCE` ``(loss, argmax, lse)``: the scalar Σ_r CE_r, float32 (float64), the
@@ -134,9 +142,10 @@ def linear_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, probs: torc
     acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
     probs = probs.detach().to(acc)
     mass = None if mass is None else mass.detach().to(acc)
+    transform = None if transform is None or transform.is_identity else transform
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return LinearSoftCE(*_chunked(x, weight, probs, mass, compute_dtype, int(chunk_rows), False, False)[:3])
-    return LinearSoftCE(*_LinearSoftCrossEntropy.apply(x, weight, probs, mass, compute_dtype, int(chunk_rows)))
+        return LinearSoftCE(*_chunked(x, weight, probs, mass, compute_dtype, int(chunk_rows), False, False, transform)[:3])
+    return LinearSoftCE(*_LinearSoftCrossEntropy.apply(x, weight, probs, mass, compute_dtype, int(chunk_rows), transform))
 
 
 @torch.no_grad()
