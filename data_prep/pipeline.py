@@ -181,22 +181,42 @@ def non_finite_reason(record: dict, storage: torch.dtype | None = None) -> tuple
     return None
 
 
-def check_max_length(model, max_length: int) -> None:
-    """Refuse ``data.max_length`` beyond the base's context (``max_position_embeddings``,
-    :func:`decoding.vanilla.context_limit`): features and labels at positions the base was never
-    trained on are not what it computes at inference, where the evaluation refuses such prompts
-    (:func:`decoding.vanilla.check_context_limit`).  Checked before anything is written.
+def check_against_base(cfg, base_config) -> list[int]:
+    """Refuse settings this base cannot serve, from its config alone (before its weights load, before
+    anything is written); shared by data prep and online/hybrid training.
+
+    * ``data.max_length`` beyond the base's context (``max_position_embeddings``,
+      :func:`decoding.vanilla.context_limit`): features and labels at positions the base was never
+      trained on are not what it computes at inference, where the evaluation refuses such prompts
+      (:func:`decoding.vanilla.check_context_limit`);
+    * ``prep.layers`` outside [1, L): hs[L], the final post-norm state, is always cached.
+
+    Args:
+        cfg: the run config (``data.max_length``, ``prep.layers``, ``model.path``).
+        base_config: the base's ``transformers.PretrainedConfig`` (:func:`core.base_model.load_base_config`).
+
+    Returns:
+        The sorted, distinct ``prep.layers``.
 
     Raises:
-        UserInputError: names both values.
+        UserInputError: naming the key, its value and the base's limit.
     """
     from decoding.vanilla import context_limit
 
-    limit = context_limit(model)
-    if limit is not None and int(max_length) > limit:
-        raise UserInputError(f"data.max_length={int(max_length)} exceeds the base model's context "
+    max_length = int(cfg.data.max_length)
+    limit = context_limit(base_config)
+    if limit is not None and max_length > limit:
+        raise UserInputError(f"data.max_length={max_length} exceeds the base model's context "
                              f"(max_position_embeddings={limit}): its hidden states and labels past position {limit} "
                              f"are not what it computes at inference; set data.max_length<={limit}")
+    L = int(base_config.num_hidden_layers)
+    layers = sorted({int(l) for l in cfg.prep.layers})
+    bad = [l for l in layers if not 1 <= l < L]
+    if bad:
+        raise UserInputError(f"prep.layers={layers}: {bad} are not intermediate layers of the base (model.path="
+                             f"{cfg.model.path!r} has L={L}; ids must lie in [1, {L}), and hs[{L}], the final "
+                             "post-norm state, is always cached)")
+    return layers
 
 
 def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, labels_mode: str, max_length: int,
@@ -349,8 +369,8 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     Raises:
         core.config.ConfigError: ``model.dtype=bfloat16`` on a CPU without bf16 instructions.
         ValueError: ``model`` was loaded in another dtype than ``model.dtype`` resolves to.
-        UserInputError: bad ``prep.layers``, a cache directory prepared under other settings, or no
-            usable conversation.
+        UserInputError: bad ``prep.layers`` or ``data.max_length`` for this base (:func:`check_against_base`,
+            before the base loads), a cache directory prepared under other settings, or no usable conversation.
         core.config.ConfigError: ``prep.cache_dir`` cannot become a folder to write into.
     """
     from core.config import check_output_path
@@ -375,6 +395,10 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     # front half first: read, validate and template the data before the model loads or a directory exists;
     # a missing, unreadable or empty input leaves no cache directory behind (read_split / template_split raise)
     data = read_split(cfg.data)
+    from core.base_model import load_base_config
+
+    # a prep.layers or data.max_length this base cannot serve costs neither the data's templating nor a model load
+    layers = check_against_base(cfg, model.config if model is not None else load_base_config(cfg.model))
     if tokenizer is None:
         from core.base_model import load_tokenizer
 
@@ -389,12 +413,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         raise RuntimeError(f"end-of-turn ids read before the base loaded {sorted(eos_front)} differ from the loaded "
                            f"base's {sorted(end_of_turn_ids(tokenizer, model))}: the records would end turns with "
                            "other tokens than inference; please report this model folder")
-    check_max_length(model, max_length)
     L = int(model.config.num_hidden_layers)
-    layers = sorted({int(l) for l in cfg.prep.layers})
-    if any(l >= L or l < 1 for l in layers):
-        raise UserInputError(f"prep.layers={layers}: intermediate layer ids must lie in [1, L={L}) "
-                             f"(hs[{L}], the final post-norm state, is always cached)")
     from data_prep.fp8 import is_fp8, storage_dtype
 
     dtype = storage_dtype(str(cfg.prep.dtype))  # fp8 on a torch without it: one line, nothing written

@@ -26,9 +26,9 @@ def eos_token_ids(tokenizer=None, base_model=None) -> list[int]:
 
 
 def context_limit(base_model) -> int | None:
-    """The base model's context limit in positions: ``config.max_position_embeddings`` (None when
-    the config does not state one)."""
-    limit = getattr(getattr(base_model, "config", None), "max_position_embeddings", None)
+    """The base model's context limit in positions: ``config.max_position_embeddings`` of the model, or of
+    a ``PretrainedConfig`` passed instead (None when the config does not state one)."""
+    limit = getattr(getattr(base_model, "config", base_model), "max_position_embeddings", None)
     return int(limit) if limit else None
 
 

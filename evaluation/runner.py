@@ -216,14 +216,17 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     # a prompt file is read (and refused, by line) before the base loads
     records = read_jsonl_records(ev.prompts, ev.get("prompt_field")) if ev.get("prompts") else None
     if base is None:
-        from core.base_model import load_base_model
+        from core.base_model import load_base_model, load_tokenizer
         from core.precision import resolve_dtype
 
         resolve_dtype(ev.dtype, "eval.dtype", device, auto_ok=False)  # bf16 without bf16 instructions: named
-
+        # the prompts too, with the tokenizer alone: no usable prompt (eval.prompt_offset past the set...) costs no model load
+        prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, load_tokenizer(cfg.model), records)
         model_cfg = to_container(cfg.model)
         model_cfg["dtype"] = ev.dtype
         base = load_base_model(model_cfg)
+    else:
+        prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, base[1], records)
     model, tokenizer, identity = base
     model.to(device)
     # fp32 on a CPU: many-row products without per-call weight packing; bf16 on an AMX CPU: every product packed,
@@ -253,7 +256,6 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
             return sample_generate(model, ids, n, eos_ids, temperature, sampler)
         return greedy_generate(model, ids, n, eos_ids)
 
-    prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, tokenizer, records)
     turns = ev.get("turns", 1)
     for p in prompts:  # before anything is written: prompt + eval.max_new_tokens must fit the context
         check_context_limit(model, int(p.input_ids.numel()), int(ev.max_new_tokens), what=f"eval prompt {p.id!r}: ",

@@ -309,7 +309,7 @@ def test_prepared_cache_is_never_overwritten_by_other_settings(tiny_base, tiny_m
                  "data.heldout_fraction=0.5")
     with pytest.raises(UserInputError, match=r"prepared with other settings \(data.heldout_fraction: 0.25 -> 0.5\)"):
         prepare(other, *tiny_base, out=None)
-    with pytest.raises(UserInputError, match=r"prep.layers=\[9\]: intermediate layer ids must lie in \[1, L=4\)"):
+    with pytest.raises(UserInputError, match=r"prep.layers=\[9\]: \[9\] are not intermediate layers .*L=4; ids must lie in \[1, 4\)"):
         prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={cache}", "prep.layers=[9]"), *tiny_base, out=None)
     # positions past the base's context are not what it computes at inference (the tiny base has 2048)
     with pytest.raises(UserInputError, match=r"data.max_length=4096 exceeds the base model's context "
@@ -318,6 +318,28 @@ def test_prepared_cache_is_never_overwritten_by_other_settings(tiny_base, tiny_m
     assert _files(cache) | {"config.yaml": (cache / "config.yaml").read_bytes()} == before
     prepare(cfg, *tiny_base, out=None)  # the same settings resume (nothing to do)
     assert _files(cache) == {k: v for k, v in before.items() if k != "config.yaml"}
+
+
+@pytest.mark.parametrize("setting, match", [
+    ("prep.layers=[2,100]", r"prep.layers=\[2, 100\]: \[100\] are not intermediate layers of the base .*L=4"),
+    ("data.max_length=4096", r"data.max_length=4096 exceeds the base model's context \(max_position_embeddings=2048\)"),
+])
+def test_settings_the_base_cannot_serve_are_refused_before_it_loads(tiny_model_dir, data_file, tmp_path, monkeypatch,
+                                                                    setting, match):
+    """Read from the base's config alone, after the data is read: no model load, no templating, nothing written."""
+    import core.base_model
+    from core.config import UserInputError
+    from data_prep.pipeline import prepare
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the base was loaded")
+
+    monkeypatch.setattr(core.base_model, "load_base_model", no_load)
+    monkeypatch.setattr(pipeline, "template_split", no_load)
+    cache = tmp_path / "cache"
+    with pytest.raises(UserInputError, match=match):
+        prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={cache}", setting), out=None)
+    assert not cache.exists()
 
 
 def test_full_length_regeneration_equals_batch_1_greedy_and_counts_truncated_turns(tiny_base, data_file):

@@ -73,3 +73,20 @@ def test_a_checkpoint_that_is_not_one_is_named_before_the_base_loads(tmp_path, m
                                 f"eval.variants=[{{name: a, checkpoint: {tmp_path / 'nope'}}}]"]))
     with pytest.raises(FileNotFoundError, match="no such directory"):
         run_evaluation(bad)
+
+
+def test_a_prompt_offset_past_the_prompts_is_refused_before_the_base_loads(tiny_model_dir, tmp_path, monkeypatch):
+    import core.base_model
+    from evaluation.prompts import PromptError
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the base was loaded")
+
+    monkeypatch.setattr(core.base_model, "load_base_model", no_load)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": i, "prompt": "Hello"}) for i in "abc") + "\n")
+    cfg = compose([f"model.path={tiny_model_dir}", f"eval.prompts={prompts}", "eval.prompt_offset=3",
+                   f"eval.output_dir={tmp_path / 'out'}", "eval.checkpoint=oracle"])
+    with pytest.raises(PromptError, match=r"no usable prompts from .*prompts.jsonl \(eval.prompt_offset=3\)"):
+        run_evaluation(cfg)
+    assert not (tmp_path / "out").exists()

@@ -412,21 +412,15 @@ def check_online_config(cfg, model, head) -> None:
 
     Raises:
         UserInputError: ``labels=regenerate`` (needs a data-prep cache); ``data.max_length`` beyond
-            the base's context (:func:`data_prep.pipeline.check_max_length`); ``prep.layers`` outside
-            ``[1, L)`` of this base; the head reads layers not in ``prep.layers``; the head was
+            the base's context or ``prep.layers`` outside ``[1, L)`` of this base
+            (:func:`data_prep.pipeline.check_against_base`); the head reads layers not in ``prep.layers``; the head was
             built for another hidden size / vocabulary than this base.
     """
-    from data_prep.pipeline import check_max_length
+    from data_prep.pipeline import check_against_base
 
     mode = str(cfg.train.features)
     check_labels(cfg)
-    check_max_length(model, int(cfg.data.max_length))
-    L = int(model.config.num_hidden_layers)
-    layers = [int(l) for l in cfg.prep.layers]
-    bad = [l for l in layers if not 1 <= l < L]
-    if bad:
-        raise UserInputError(f"prep.layers={layers}: {bad} are not intermediate layers of the base "
-                             f"(model.path={cfg.model.path!r} has L={L}; ids must lie in [1, {L}))")
+    layers = check_against_base(cfg, model.config)
     need = [int(l) for l in getattr(head, "required_cache_layers", [])]
     missing = [l for l in need if l not in layers]
     if missing:
