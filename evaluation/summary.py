@@ -1,7 +1,8 @@
 """``summary.md``: the markdown table of an evaluation (or of a comparison across heads).
 
 ``python -m evaluation.summary OUT_DIR NAME=QUALITY_DIR[,TIMING_DIR] [...]`` combines reports
-of separate evaluations (one per head, since a run's variants share one head type) into
+of separate evaluations (one per head, since a run's variants share one head type; the top folder of
+an ``eval.variants`` run gives one row per variant, ``NAME/<variant>``) into
 ``OUT_DIR/summary.md`` and ``OUT_DIR/summary.json`` (written atomically).  ``QUALITY_DIR`` holds the
 ``report.json`` whose τ, acceptance, parity and per-category figures are used; the optional
 ``TIMING_DIR`` holds the report of a repeated-timing run (``eval.repeats`` > 1, e.g. on a subset
@@ -234,6 +235,43 @@ def _chosen_tree(report: dict[str, Any]) -> dict[str, Any] | None:
     return {k: v for k, v in tree["chosen"].items() if k != "candidates"}
 
 
+def variant_dirs(path: Path) -> list[tuple[str, Path]] | None:
+    """``[(variant, folder)]`` of an ``eval.variants`` run's top folder (its ``summary.json`` lists the
+    variants, each in ``<path>/<variant>/``), in the run's order; None for any other folder."""
+    if (path / "report.json").is_file() or not (path / "summary.json").is_file():
+        return None
+    try:
+        rows = json.loads((path / "summary.json").read_text(encoding="utf-8")).get("variants") or []
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+    names = [r.get("variant") for r in rows if isinstance(r, dict) and r.get("variant")]
+    return [(n, path / n) for n in names] or None
+
+
+def expand_variants(entries: Sequence[tuple[str, Path, Path | None]]) -> list[tuple[str, Path, Path | None]]:
+    """Each entry whose quality folder is an ``eval.variants`` run becomes one entry per variant, named
+    ``NAME/<variant>``; its timing folder, if any, must be a variants run too and is paired by variant name.
+
+    Raises:
+        ValueError: a timing folder that is not a variants run beside one that is, or lacks a variant.
+    """
+    out = []
+    for name, qdir, tdir in entries:
+        variants = variant_dirs(Path(qdir))
+        if variants is None:
+            out.append((name, qdir, tdir))
+            continue
+        timing = None if tdir is None else dict(variant_dirs(Path(tdir)) or [])
+        if tdir is not None and not timing:
+            raise ValueError(f"{name}: {qdir} is an eval.variants run (variants {', '.join(v for v, _ in variants)}) but "
+                             f"its timing folder {tdir} is not; pair variant folders instead ({name}=QUALITY/<variant>,TIMING)")
+        for v, vdir in variants:
+            if timing is not None and v not in timing:
+                raise ValueError(f"{name}: the timing run {tdir} has no variant {v!r} (it has {', '.join(timing)})")
+            out.append((f"{name}/{v}", vdir, None if timing is None else timing[v]))
+    return out
+
+
 def combine(entries: Sequence[tuple[str, Path, Path | None]]) -> list[dict[str, Any]]:
     """Summary rows for ``[(name, quality_dir, timing_dir or None)]``.
 
@@ -244,13 +282,15 @@ def combine(entries: Sequence[tuple[str, Path, Path | None]]) -> list[dict[str, 
     with the same tree (``tree_matches_timing``; ``scripts/compare.py`` fixes the quality runs'
     node budget, so there they may differ by design).
 
+    A folder of an ``eval.variants`` run gives one row per variant (:func:`expand_variants`).
+
     Raises:
         ValueError: a directory has no readable ``report.json``; a timing report ran another
             checkpoint than its quality report, or a name repeats (the message names it).
     """
 
     rows, seen = [], set()
-    for name, qdir, tdir in entries:
+    for name, qdir, tdir in expand_variants(entries):
         if name in seen:
             raise ValueError(f"duplicate name {name!r}")
         seen.add(name)

@@ -126,6 +126,16 @@ def test_variants_share_one_vanilla_pass(tiny_model_dir, tmp_path, prompts_file,
     assert summary["variants"][0]["tau"] == orc["tau"] and summary["variants"][1]["parity"] == "3/3"
     printed = capsys.readouterr().out
     assert "== orc" in printed and printed.count("parity: 3/3") == 2
+    # evaluation.summary over the run's top folder: one row per variant (it had no report.json to read)
+    from evaluation.summary import main as summary_main
+
+    assert summary_main([str(tmp_path / "table"), f"heads={out}"]) == 0
+    rows = json.loads((tmp_path / "table" / "summary.json").read_text())["rows"]
+    assert [(r["variant"], r["tau"]) for r in rows] == [("heads/orc", orc["tau"]),
+                                                         ("heads/checkpoint=random,reference_depth=2", rnd["tau"])]
+    assert summary_main([str(tmp_path / "table"), f"heads={out},{out / 'orc'}"]) == 2  # timing: not a variants run
+    assert "is an eval.variants run (variants orc, checkpoint=random,reference_depth=2) but its timing folder" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("variants, message", [
