@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from core.io import atomic_write_json, make_tmp_dir, sha256_file
+from core.io import atomic_write_json, make_tmp_dir, names_a_local_path, sha256_file
 from core.logit_transform import check_logit_transform
 
 log = logging.getLogger(__name__)
@@ -183,17 +183,27 @@ def check_same_base(recorded: dict[str, Any] | None, current: dict[str, Any], wh
 
 
 def resolve_model_dir(model_cfg: Any) -> tuple[str, str, str | None]:
-    """Return ``(load_path, source, sha256)`` for a ``model`` config section."""
+    """Return ``(load_path, source, sha256)`` for a ``model`` config section.
+
+    Raises:
+        FileNotFoundError: ``model.path`` is a missing ``.gguf`` file, or a missing path that can only be
+            a local one (:func:`core.io.names_a_local_path`; a hub id such as ``owner/name`` is left to
+            transformers).
+    """
     path = model_cfg.get("path")
     cache_dir = Path(model_cfg.get("cache_dir") or default_cache_dir())
     if path is None:
         gguf = packaged_gguf()
     elif str(path).endswith(".gguf"):
-        gguf = Path(path)
+        gguf = Path(path).expanduser()
         if not gguf.is_file():
             raise FileNotFoundError(f"model.path={path!r}: GGUF file not found")
     else:
-        return str(path), str(path), converted_gguf_sha256(path)
+        local = Path(str(path)).expanduser()
+        if not local.exists() and names_a_local_path(str(path)):
+            raise FileNotFoundError(f"model.path={path!r}: no such model folder")
+        load = str(local) if local.exists() else str(path)  # a folder under ~ is loaded, not looked up on the hub
+        return load, str(path), converted_gguf_sha256(load)
     folder = convert_gguf(gguf, cache_dir)
     return str(folder), str(gguf), converted_gguf_sha256(folder)
 

@@ -59,6 +59,17 @@ def output_dir_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
+def names_a_local_path(path: str, suffixes: tuple[str, ...] = ()) -> bool:
+    """True when ``path`` can only be meant as a local file or folder, never as a Hugging Face hub id
+    (``name`` or ``owner/name``): it starts with ``.``, ``/`` or ``~``, ends in one of ``suffixes``
+    (compared lower-case: a file type such as ``.jsonl`` or ``.gguf``), has more than one ``/``, or a
+    backslash.  A missing path that names a local one is refused as missing, instead of being sent to
+    the hub, whose error ("Repo id must be in the form...") names no file."""
+    p = str(path)
+    return (p.startswith((".", "/", "~")) or (bool(suffixes) and p.lower().endswith(tuple(suffixes)))
+            or p.count("/") > 1 or "\\" in p)
+
+
 def make_tmp_dir(prefix: str, parent: str | os.PathLike) -> Path:
     """A fresh temporary directory inside ``parent`` (created if needed), to be filled and then
     ``os.replace``-d into its final name; permissions as ``mkdir`` would give (0777 & ~umask)."""

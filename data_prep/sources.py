@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from core.config import UserInputError
+from core.io import names_a_local_path
 from data_prep.sharegpt import FORMATS, Conversation, ReadStats, iter_records, normalize_records, resolve_path
 
 log = logging.getLogger(__name__)
@@ -114,14 +115,6 @@ def _is_saved_dataset(p: Path) -> bool:
 _DATA_SUFFIXES = (*_BUILDERS, ".txt", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar")
 
 
-def _names_a_local_path(path: str) -> bool:
-    """True when ``path`` (which does not exist) can only be meant as a local file or folder, never
-    as a Hugging Face dataset id (``name`` or ``owner/name``): it starts with ``.``, ``/`` or ``~``,
-    ends in a data file's suffix, or has more than one ``/`` (or a backslash)."""
-    return (path.startswith((".", "/", "~")) or path.lower().endswith(_DATA_SUFFIXES) or path.count("/") > 1
-            or "\\" in path)
-
-
 def _datasets_rows(spec: SourceSpec) -> Iterator[dict]:
     import datasets
 
@@ -142,7 +135,7 @@ def _datasets_rows(spec: SourceSpec) -> Iterator[dict]:
                                      f"(supported: {', '.join(sorted(_BUILDERS))}, or a saved dataset directory)")
             ds = datasets.load_dataset(builder, data_files=str(p), split="train", streaming=spec.streaming)
         else:
-            if not p.exists() and _names_a_local_path(spec.path):
+            if not p.exists() and names_a_local_path(spec.path, _DATA_SUFFIXES):
                 raise UserInputError(f"data.path={spec.path!r}: no such file or directory")
             ds = datasets.load_dataset(spec.path, split=spec.split, streaming=spec.streaming)
     except UserInputError:

@@ -1,4 +1,5 @@
-"""Converting the packaged GGUF once, also when several processes ask for it at the same moment.
+"""Resolving ``model.path``: the packaged GGUF converted once, also when several processes ask for it
+at the same moment, and a missing local path named as missing.
 
 Ranks, Slurm tasks and parallel test workers all call ``core.base_model.convert_gguf`` on a fresh
 machine; without a lock each one converted the file and the last ``os.replace`` could delete the
@@ -6,8 +7,11 @@ folder another process was already loading from.
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
+
+import pytest
 
 import core.base_model as base_model
 
@@ -38,3 +42,21 @@ def test_concurrent_conversions_of_one_gguf_convert_it_once(tmp_path, monkeypatc
     assert max(overlap) == 1
     assert len(results) == 4 and len(set(results)) == 1 and (results[0] / "source.json").exists()
     assert base_model.convert_gguf(gguf, tmp_path / "cache") == results[0] and len(calls) == 1
+
+
+@pytest.mark.parametrize("path", ["./nope", "/no/such/model", "models/smol/v2", "~/no-such-model", "..\\nope"])
+def test_a_missing_local_model_path_is_named_not_sent_to_the_hub(path, capsys):
+    """Before, transformers answered "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"."""
+    from core.base_model import resolve_model_dir
+    from evaluation.__main__ import main
+
+    with pytest.raises(FileNotFoundError, match=rf"model.path={re.escape(repr(path))}: no such model folder"):
+        resolve_model_dir({"path": path})
+    assert main([f"model.path={path}", "checkpoint=oracle"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: model.path={path!r}: no such model folder"
+
+
+def test_a_hub_id_is_left_to_transformers():
+    from core.base_model import resolve_model_dir
+
+    assert resolve_model_dir({"path": "HuggingFaceTB/SmolLM2-135M-Instruct"})[:2] == ("HuggingFaceTB/SmolLM2-135M-Instruct",) * 2
