@@ -1,4 +1,4 @@
-"""Bases other than Llama: every head builds and trains over a Gemma 2, Cohere or Granite base (its layers a
+"""Bases other than Llama: every head builds and trains over a Gemma 2, Cohere, Granite, Qwen 3 or Phi-3 base (its layers a
 Llama layer sized like the base), and the base's own map of W h to its logits (Gemma 2's final soft-capping,
 Cohere's logit_scale, Granite's logits_scaling) is applied wherever draftheads scores hidden states with the
 frozen LM head."""
@@ -34,6 +34,10 @@ def tiny(kind: str, sliding: bool = False):
     elif kind == "granite":
         cfg = tf.GraniteConfig(**{k: v for k, v in TINY.items() if k != "head_dim"}, logits_scaling=0.125)
         model = tf.GraniteForCausalLM(cfg)
+    elif kind == "qwen3":  # no map; q/k norms, a head_dim of its own
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**TINY))
+    elif kind == "phi3":  # no map; fused qkv and gate/up projections
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**{k: v for k, v in TINY.items() if k != "head_dim"}, pad_token_id=0))
     else:
         raise AssertionError(kind)
     model.eval().requires_grad_(False)
@@ -175,7 +179,7 @@ HEAD_CFGS = {"falcon": {"type": "falcon"}, "ctc": {"type": "ctc"}, "eagle3": {"t
              "adadecode": {"type": "adadecode", "layers": [1, 2, 3]}}
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite", "qwen3", "phi3"])
 @pytest.mark.parametrize("head_type", sorted(HEAD_CFGS))
 def test_every_head_trains_over_another_base(kind, head_type):
     """Built from a Gemma 2 / Cohere / Granite config (which lack the Llama layer's keys), a head trains one
@@ -221,7 +225,7 @@ def test_another_base_gives_a_llama_layer_of_its_sizes():
     assert got.hidden_act == "silu"
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite", "qwen3", "phi3"])
 def test_speculative_output_equals_vanilla_greedy_over_another_base(kind):
     from decoding.speculative import SpeculativeDecoder
     from decoding.vanilla import greedy_generate
