@@ -79,10 +79,7 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
                 log.warning("eval.allow_other_base=true: %s was trained on another base (%s)", path, "; ".join(differs))
                 info["other_base"] = differs
         head, meta = heads.load(path, base_model=base_model)
-        want = cfg.heads.get("type") if "heads" in cfg else None
-        if want is not None and meta["head_type"] != want:
-            raise ValueError(f"checkpoint {path} holds a {meta['head_type']!r} head but heads.type={want!r}; "
-                             f"run with heads={meta['head_type']}")
+        heads.registry.check_head_type(path, meta["head_type"], cfg.heads.get("type") if "heads" in cfg else None)
         cast_module(head, base_model.dtype, device).eval()  # the drafter computes in the eval dtype too (RoPE stays fp32)
         head.requires_grad_(False)
         if (packed := pack_like_base(head, base_model)):

@@ -144,17 +144,19 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
             before the base loads).
         FileNotFoundError: a checkpoint (``eval.checkpoint``, a variant's) is not a head checkpoint
             folder (:func:`heads.registry.check_checkpoint_dir`; checked before the base loads).
+        ValueError: such a checkpoint holds another head than ``heads.type`` (also before the base loads).
     """
     from core.config import check_output_path
 
     check_output_path(cfg, "eval.output_dir")
-    if decoder is None:  # a missing or mistyped checkpoint is named before the base loads
+    if decoder is None:  # a missing, mistyped or other head's checkpoint is named before the base loads
         from heads.registry import check_checkpoint_dir
 
+        want = cfg.heads.get("type") if "heads" in cfg else None
         for holder in [cfg.eval, *[v for v in (cfg.eval.get("variants") or []) if hasattr(v, "get")]]:
             ckpt = holder.get("checkpoint")
             if ckpt is not None and str(ckpt) not in REFERENCE_DRAFTERS:
-                check_checkpoint_dir(str(ckpt))
+                check_checkpoint_dir(str(ckpt), want)
     state: dict[str, Any] = {}
     try:
         return _evaluate(cfg, base, decoder, state)

@@ -120,13 +120,24 @@ def save(head, directory: str | os.PathLike, base_identity: dict[str, Any], extr
     return directory
 
 
-def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
+def check_head_type(directory: str | os.PathLike, held: str, want: str | None) -> None:
+    """Refuse a checkpoint holding a ``held`` head where a ``want`` head (``heads.type``) was asked for.
+
+    Raises:
+        ValueError: naming the checkpoint, both types and the ``heads=`` to run with.
+    """
+    if want is not None and held != want:
+        raise ValueError(f"checkpoint {directory} holds a {held!r} head but heads.type={want!r}; run with heads={held}")
+
+
+def check_checkpoint_dir(directory: str | os.PathLike, head_type: str | None = None) -> Path:
     """``directory`` as a Path once it is a head checkpoint folder (``config.json`` and
-    ``model.safetensors``, as :func:`save` writes them).
+    ``model.safetensors``, as :func:`save` writes them) holding a ``head_type`` head (None: any).
 
     Raises:
         FileNotFoundError: it does not exist; it is a training run's folder (names its ``best/`` and
             ``last/``); or a file is missing (named).
+        ValueError: its ``config.json`` is unreadable, or records another head type (:func:`check_head_type`).
     """
     directory = Path(directory)
     if not directory.exists():
@@ -140,6 +151,12 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
     for name in ("model.safetensors", "config.json"):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"checkpoint {directory} has no {name}")
+    if head_type is not None:
+        try:
+            held = json.loads((directory / "config.json").read_text(encoding="utf-8"))["head_type"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"checkpoint {directory}: config.json is not a head config ({type(exc).__name__})") from None
+        check_head_type(directory, str(held), head_type)
     return directory
 
 

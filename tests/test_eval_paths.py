@@ -73,6 +73,16 @@ def test_a_checkpoint_that_is_not_one_is_named_before_the_base_loads(tmp_path, m
                                 f"eval.variants=[{{name: a, checkpoint: {tmp_path / 'nope'}}}]"]))
     with pytest.raises(FileNotFoundError, match="no such directory"):
         run_evaluation(bad)
+    # another head's checkpoint (SGLang's silent EAGLE-for-EAGLE-3 mix-up, sgl-project/sglang#21272): named, no load
+    falcon = tmp_path / "falcon_best"
+    falcon.mkdir()
+    (falcon / "model.safetensors").write_bytes(b"")
+    (falcon / "config.json").write_text(json.dumps({"head_type": "falcon"}))
+    for argv in (["heads=eagle3", f"checkpoint={falcon}"],
+                 ["heads=ctc", "checkpoint=oracle", f"eval.variants=[{{name: a, checkpoint: {falcon}}}]"]):
+        cfg = compose(rewrite_argv([*argv, f"eval.output_dir={tmp_path / 'out'}"]))
+        with pytest.raises(ValueError, match=re.escape(f"checkpoint {falcon} holds a 'falcon' head but heads.type=")):
+            run_evaluation(cfg)
 
 
 def test_a_prompt_offset_past_the_prompts_is_refused_before_the_base_loads(tiny_model_dir, tmp_path, monkeypatch):

@@ -180,7 +180,7 @@ def test_parity_failure_names_prompt_and_exits_nonzero(tiny_base, tiny_model_dir
     row = rep["per_prompt"][1]
     assert row["first_mismatch"] == row["vanilla_tokens"] - 1 and row["method_output"] != row["vanilla_output"]
     # the CLI turns it into exit status 1 (a stand-in decoder, so no checkpoint folder "x" to check)
-    monkeypatch.setattr("heads.registry.check_checkpoint_dir", lambda path: path)
+    monkeypatch.setattr("heads.registry.check_checkpoint_dir", lambda path, head_type=None: path)
     monkeypatch.setattr(runner, "build_decoder", lambda cfg, model, eos, dev, identity=None: (_CorruptOne(model, bad.bad_len), {
         "checkpoint": "x", "head_type": "custom", "decoder": "_CorruptOne"}))
     assert main(_argv(tiny_model_dir, tmp_path, "checkpoint=x", f"eval.prompts={prompts_file}",
