@@ -101,6 +101,22 @@ def test_auto_resolves_by_level_with_one_line(monkeypatch, capsys, level, dtype,
     assert precision.resolve_dtype("auto", "model.dtype", "cpu", check=False) == dtype
 
 
+@pytest.mark.parametrize("flags, refused", [({"avx2", "avx512_bf16"}, True), ({"avx512_fp16", "avx512_bf16"}, False),
+                                             ({"amx_bf16", "amx_fp16"}, False), ({"asimdhp", "bf16"}, False), (set(), True)])
+def test_fp16_is_refused_where_the_cpu_emulates_it(monkeypatch, flags, refused):
+    """An fp16 evaluation on a CPU without fp16 arithmetic crawled at 2.1 tokens/s (10x slower than fp32) with
+    only an INFO line; now it is one error, as bf16 is where it is emulated."""
+    monkeypatch.setattr(precision, "_cpuinfo", lambda: ("AuthenticAMD", set(flags)))
+    if refused:
+        with pytest.raises(ConfigError, match=r"^eval.dtype=float16 on this CPU .*emulated.*use eval.dtype=float32"):
+            precision.resolve_dtype("float16", "eval.dtype", "cpu", auto_ok=False)
+        with pytest.raises(ConfigError, match=r"^model.dtype=float16 .*use model.dtype=auto"):
+            precision.resolve_dtype("float16", "model.dtype", "cpu")
+    else:
+        assert precision.resolve_dtype("float16", "eval.dtype", "cpu", auto_ok=False) == "float16"
+    assert precision.resolve_dtype("float16", "model.dtype", "cpu", check=False) == "float16"  # reading a record
+
+
 def test_explicit_bf16_warns_where_slow_and_is_refused_where_emulated(monkeypatch, capsys):
     monkeypatch.setenv(precision.BF16_ENV, "slow")
     assert precision.resolve_dtype("bfloat16", "model.dtype") == "bfloat16"
