@@ -199,7 +199,9 @@ def check_range(cfg: DictConfig, key: str, lo: float | None = None, hi: float | 
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ConfigError(f"{key}={value!r} must be a number")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ConfigError(f"{key}={value!r} must lie in [{lo}, {hi}]")
+        want = (f"lie in [{lo}, {hi}]" if lo is not None and hi is not None
+                else f"be >= {lo}" if lo is not None else f"be <= {hi}")
+        raise ConfigError(f"{key}={value!r} must {want}")
 
 
 def check_output_path(cfg: DictConfig, key: str) -> None:

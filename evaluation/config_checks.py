@@ -185,6 +185,12 @@ def check_device(dev) -> None:
         raise ConfigError("eval.device=mps, but MPS is not available on this machine; use eval.device=cpu or null")
 
 
+def _reference_drafters() -> tuple[str, ...]:
+    from evaluation.methods import REFERENCE_DRAFTERS
+
+    return REFERENCE_DRAFTERS
+
+
 def _tree_checks(cfg: DictConfig) -> None:
     """``eval.tree*`` (issue 14): a known mode, a non-empty grid of node counts, ``tree_nodes`` in it,
     and Falcon rank-tree specs given as paths that are trees (every path's parent listed too)."""
@@ -203,7 +209,14 @@ def _tree_checks(cfg: DictConfig) -> None:
     for key in ("tree_max_rank", "cost_context_tokens", "calibration_prompts"):
         check_range(cfg, f"eval.{key}", 1, None)
     if cfg.eval.get("calibration_max_new_tokens") is not None:
-        check_range(cfg, "eval.calibration_max_new_tokens", 1, None)
+        check_range(cfg, "eval.calibration_max_new_tokens", 2, None)
+    elif (cfg.eval.tree in ("auto", "dynamic") and OmegaConf.select(cfg, "heads.type") in ("falcon", "ctc", "eagle3")
+          and str(cfg.eval.get("checkpoint")) not in _reference_drafters()
+          and isinstance(cfg.eval.get("max_new_tokens"), int) and cfg.eval.max_new_tokens < 2):
+        # the calibration decodes eval.max_new_tokens per held-out prompt; a reply's first token comes from the prefill
+        raise ConfigError(f"eval.max_new_tokens={cfg.eval.max_new_tokens} leaves eval.tree={cfg.eval.tree}'s calibration "
+                          "no draft to verify (a reply's first token comes from the prefill); set "
+                          "eval.calibration_max_new_tokens=128 (the tree is sized on longer replies) or eval.tree=config")
     head_tree = OmegaConf.select(cfg, "heads.decoding.tree") if OmegaConf.select(cfg, "heads.type") == "falcon" else None
     for key, spec in (("eval.falcon_tree", cfg.eval.get("falcon_tree")), ("heads.decoding.tree", head_tree)):
         if spec is None or not isinstance(spec, DictConfig) or spec.get("paths") is None:

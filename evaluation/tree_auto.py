@@ -67,7 +67,8 @@ DRAFTER_COST_PROMPTS = 4  # calibration prompts timed for the drafter's cost at 
 
 
 class CalibrationError(ValueError):
-    """No usable held-out prompt for the calibration pass (raised before any decoding)."""
+    """No usable held-out prompt for the calibration pass, or a calibration that verified no draft
+    (raised before any evaluation prompt is decoded)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -352,6 +353,11 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
         stats, path, drafter_source, reused = _acceptance_and_cost(cost, setup, head, head_type, info, ev, model, prompts,
                                                            max_new, eos_ids, grid, root, on_prompt)
         t2 = time.perf_counter()
+    if not stats.steps:  # e.g. eval.max_new_tokens=1: each reply's one token comes from the prefill
+        raise CalibrationError(
+            f"eval.tree={mode}: the calibration on {len(prompts)} held-out prompt(s) verified no draft (each reply ended "
+            f"within its first token at {max_new} new token(s), which the prefill gives), so no tree can be sized; "
+            "set eval.calibration_max_new_tokens=128, or eval.tree=config")
     timing = {"cost_model_seconds": 0.0 if cost.reused else t1 - t0,
               "calibration_seconds": 0.0 if reused else t2 - t1}
     chosen, kwargs, wrap = choose_fn(setup, stats, cost, ev)
@@ -395,8 +401,9 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     log.info("eval.tree=%s for %s: %d nodes, predicted tau %.2f, speedup %.2fx", mode, head_type, chosen["nodes"],
              chosen["tau"], chosen["speedup"])
     if int(chosen["nodes"]) == 1:
-        log.warning("eval.tree=%s chose the root alone for %s: no draft token is verified (tau 1 by construction), "
-                    "so this tree does not test the head%s", mode, head_type,
+        why = "eval.tree_nodes=1 fixes the tree to" if ev.get("tree_nodes") == 1 else f"eval.tree={mode} chose"
+        log.warning("%s the root alone for %s: no draft token is verified (tau 1 by construction), "
+                    "so this tree does not test the head%s", why, head_type,
                     f"; the head is also decoded at the {probe['nodes']}-node probe tree (report tree.probe)"
                     if probe else "")
     return decoder, info

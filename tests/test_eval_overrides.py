@@ -31,6 +31,11 @@ from evaluation.methods import variant_configs
     (["heads=ctc", "eval.falcon_passes=2"], "eval.falcon_passes=2 applies to falcon heads only"),
     (["heads=falcon_k1", "eval.topk=3"], "eval.topk=3 applies to ctc heads only .* heads.type=falcon"),
     (["heads=eagle3", "eval.max_inflight=2"], "eval.max_inflight=2 applies to adadecode heads only"),
+    # a new user's smoke test: the calibration decoded one token per prompt (the prefill's) and the tree search
+    # failed after the base loaded with "empty node grid (no measured budget)"
+    (["heads=falcon_k1", "eval.max_new_tokens=1"], "eval.max_new_tokens=1 leaves eval.tree=auto's calibration no draft"),
+    (["heads=ctc", "eval.calibration_max_new_tokens=1"], "eval.calibration_max_new_tokens=1 must be >= 2"),
+    (["eval.calibration_prompts=0"], "eval.calibration_prompts=0 must be >= 1$"),  # was "must lie in [1, None]"
 ])
 def test_bad_decoding_override_names_the_key(args, message):
     with pytest.raises(ConfigError, match=message):
@@ -39,6 +44,9 @@ def test_bad_decoding_override_names_the_key(args, message):
 
 def test_good_decoding_overrides_compose():
     compose(["eval.topk=3", "eval.max_nodes=16", "eval.max_alignments=64"])
+    for one_token in (["heads=adadecode"], ["eval.checkpoint=oracle"], ["eval.tree=config"],
+                      ["eval.calibration_max_new_tokens=2"]):  # no calibration, or a calibration that verifies
+        compose(["eval.max_new_tokens=1", *one_token])
     compose(["eval.topk=[4,2]"])
     compose(["heads=falcon", "eval.falcon_passes=2", "eval.falcon_tree={depth_children: [2, 1]}"])
     compose(["heads=adadecode", "eval.gamma=1", "eval.gamma_schedule=[0.5, 0.6, 0.7]", "eval.max_inflight=2"])
@@ -48,7 +56,7 @@ def test_good_decoding_overrides_compose():
     (["heads=adadecode"], "[{gamma: abc}]", r'eval.variants\[0\].gamma="abc" must be a number'),
     (["heads=adadecode"], "[{gamma: 0.5}, {max_inflight: 0}]", r"eval.variants\[1\].max_inflight=0 must be an integer"),
     (["heads=falcon"], "[{falcon_tree: {depth_children: [a]}}]", r"eval.variants\[0\].falcon_tree: invalid literal"),
-    (["checkpoint=oracle"], "[{reference_depth: 0}]", r"eval.variants\[0\]: eval.reference_depth=0 must lie in"),
+    (["checkpoint=oracle"], "[{reference_depth: 0}]", r"eval.variants\[0\]: eval.reference_depth=0 must be >= 1"),
     (["heads=ctc"], "[{gamma: 0.3}, {gamma: 0.9}]", r"eval.variants\[0\].gamma=0.3 applies to adadecode heads only"),
 ])
 def test_bad_variant_entry_names_the_variant_and_key(args, variants, message):
