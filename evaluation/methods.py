@@ -34,6 +34,13 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def check_checkpoint_given(ckpt) -> None:
+    """Raises ValueError when an evaluation names no checkpoint (``eval.checkpoint`` null), saying how to."""
+    if ckpt is None:
+        raise ValueError("eval.checkpoint is required: `python -m evaluation heads=<h> checkpoint=PATH` "
+                         f"(or checkpoint={'|'.join(REFERENCE_DRAFTERS)} for a reference drafter)")
+
+
 def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch.device, identity=None):
     """The method's decoder for this run, and a description dict.
 
@@ -49,9 +56,7 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
     """
     ev = cfg.eval
     ckpt = ev.get("checkpoint")
-    if ckpt is None:
-        raise ValueError("eval.checkpoint is required: `python -m evaluation heads=<h> checkpoint=PATH` "
-                         f"(or checkpoint={'|'.join(REFERENCE_DRAFTERS)} for a reference drafter)")
+    check_checkpoint_given(ckpt)
     info: dict[str, Any] = {"checkpoint": str(ckpt)}
     if str(ckpt) in REFERENCE_DRAFTERS:
         depth, width = int(ev.reference_depth), int(ev.reference_width)

@@ -239,8 +239,12 @@ def load_prompts(eval_cfg, data_cfg, tokenizer, records: list[dict[str, Any]] | 
         prompts.append(Prompt(pid, messages, ids, rec["category"], tuple(rec["follow_ups"])))
         if limit is not None and len(prompts) >= offset + int(limit):
             break
+    usable = len(prompts)
     prompts = prompts[offset:]
     if not prompts:
+        if usable:  # the set has prompts: the offset is past them (skipped ones are not the reason)
+            raise PromptError(f"eval.prompt_offset={offset} is past the {usable} usable prompt(s) of {source}"
+                              f"{f' ({len(skipped)} more skipped)' if skipped else ''}; use an offset below {usable}")
         why = f"; {len(skipped)} skipped, first {skipped[0]['id']!r}: {skipped[0]['reason']}" if skipped else ""
         raise PromptError(f"no usable prompts from {source} (eval.prompt_offset={offset}{why})")
     return prompts, skipped

@@ -32,7 +32,7 @@ from decoding.cost_model import omp_wait_policy
 from decoding.vanilla import check_context_limit, eos_token_ids, greedy_generate, sample_generate
 from evaluation.divergence import Accountant, add_accounting, failing_ids
 from evaluation.fastest_vanilla import build_references, fastest, packed_loader, reference_labels
-from evaluation.methods import (REFERENCE_DRAFTERS, build_decoder, checkpoint_label, prepacked_products,
+from evaluation.methods import (REFERENCE_DRAFTERS, build_decoder, check_checkpoint_given, checkpoint_label, prepacked_products,
                                 resolve_device, row_consistent_products, variant_configs)
 from evaluation.plots import plot
 from evaluation.progress import Progress, absolute_paths, progress_fingerprint, prompt_digest
@@ -153,9 +153,11 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         from heads.registry import check_checkpoint_dir
 
         want = cfg.heads.get("type") if "heads" in cfg else None
-        for holder in [cfg.eval, *[v for v in (cfg.eval.get("variants") or []) if hasattr(v, "get")]]:
-            ckpt = holder.get("checkpoint")
-            if ckpt is not None and str(ckpt) not in REFERENCE_DRAFTERS:
+        variants = [v for v in (cfg.eval.get("variants") or []) if hasattr(v, "get")]
+        for holder in variants or [cfg.eval]:  # a variant without its own checkpoint runs eval.checkpoint
+            ckpt = holder.get("checkpoint", cfg.eval.get("checkpoint"))
+            check_checkpoint_given(ckpt)
+            if str(ckpt) not in REFERENCE_DRAFTERS:
                 check_checkpoint_dir(str(ckpt), want)
     state: dict[str, Any] = {}
     try:

@@ -142,6 +142,8 @@ def check_checkpoint_dir(directory: str | os.PathLike, head_type: str | None = N
     directory = Path(directory)
     if not directory.exists():
         raise FileNotFoundError(f"checkpoint {directory}: no such directory")
+    if directory.is_file():
+        raise FileNotFoundError(f"checkpoint {directory} is a file: pass the folder that holds it ({directory.parent})")
     if not (directory / "model.safetensors").is_file():
         inside = [d for d in ("best", "last") if (directory / d / "model.safetensors").is_file()]
         if inside:

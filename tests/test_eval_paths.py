@@ -62,7 +62,8 @@ def test_a_checkpoint_that_is_not_one_is_named_before_the_base_loads(tmp_path, m
     (run / "best" / "model.safetensors").write_bytes(b"")
     (tmp_path / "empty").mkdir()
     cases = {tmp_path / "nope": "no such directory", run: "is a training run's folder: pass " + str(run / "best"),
-             tmp_path / "empty": "has no model.safetensors"}
+             tmp_path / "empty": "has no model.safetensors",
+             run / "best" / "model.safetensors": f"is a file: pass the folder that holds it ({run / 'best'})"}
     for path, message in cases.items():
         cfg = compose(rewrite_argv([f"checkpoint={path}", f"eval.output_dir={tmp_path / 'out'}"]))
         with pytest.raises(FileNotFoundError, match=re.escape(message)):
@@ -97,6 +98,7 @@ def test_a_prompt_offset_past_the_prompts_is_refused_before_the_base_loads(tiny_
     prompts.write_text("\n".join(json.dumps({"id": i, "prompt": "Hello"}) for i in "abc") + "\n")
     cfg = compose([f"model.path={tiny_model_dir}", f"eval.prompts={prompts}", "eval.prompt_offset=3",
                    f"eval.output_dir={tmp_path / 'out'}", "eval.checkpoint=oracle"])
-    with pytest.raises(PromptError, match=r"no usable prompts from .*prompts.jsonl \(eval.prompt_offset=3\)"):
+    with pytest.raises(PromptError, match=r"eval.prompt_offset=3 is past the 3 usable prompt\(s\) of .*prompts.jsonl; "
+                                          r"use an offset below 3"):
         run_evaluation(cfg)
     assert not (tmp_path / "out").exists()

@@ -203,7 +203,10 @@ def test_non_tree_decoder_and_sharegpt_heldout_prompts(tiny_base, tiny_model_dir
     assert rep["base_forwards_per_token"]["method"] == rep["base_forwards_per_token"]["vanilla"] == 1.0
 
 
-def test_missing_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path, prompts_file, capsys):
+def test_missing_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path, prompts_file, capsys, monkeypatch):
+    import core.base_model
+
+    monkeypatch.setattr(core.base_model, "load_base_model", lambda *a, **k: pytest.fail("the base was loaded"))
     assert main(_argv(tiny_model_dir, tmp_path, f"eval.prompts={prompts_file}")) == 2
     assert "eval.checkpoint is required" in capsys.readouterr().err
     assert main(_argv(tiny_model_dir, tmp_path, f"checkpoint={tmp_path / 'nope'}", f"eval.prompts={prompts_file}")) == 2

@@ -304,3 +304,23 @@ def test_a_missing_cache_names_the_settings_of_its_hash_and_the_caches_that_exis
     assert f"{made} (complete): labels=teacher_forced (here regenerate)." in msg
     assert "train.cache_dir=<a cache>" in msg
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("kind", ["missing", "not_a_cache"])
+def test_a_train_cache_dir_that_is_no_cache_is_named_before_the_base_loads(tiny_model_dir, tmp_path, capsys, monkeypatch,
+                                                                         kind):
+    """Before, the base loaded and the error said to 'set train.cache_dir', the key the user had just set."""
+    import core.base_model
+    from train.run import main
+
+    monkeypatch.setattr(core.base_model, "load_base_model", lambda *a, **k: pytest.fail("the base was loaded"))
+    cache = tmp_path / "cache"
+    if kind == "not_a_cache":
+        cache.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main([f"model.path={tiny_model_dir}", f"output_root={tmp_path}", "heads=ctc", f"train.cache_dir={cache}",
+              "train.accelerator=cpu", "train.devices=1"])
+    msg = capsys.readouterr().err.strip().splitlines()[-1]
+    what = "no such folder" if kind == "missing" else "no train/manifest.json there (not a data-prep cache)"
+    assert exc.value.code == 2 and msg.startswith(f"error: train.cache_dir={str(cache)!r}: {what}; pass the folder")
+    assert not (tmp_path / "runs").exists()

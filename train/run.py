@@ -396,6 +396,7 @@ def resolve_run_precision(cfg: DictConfig, resumed_run: Path | None, online: boo
         from data_prep.features import FeatureDefinition, cache_features, check_same_features
 
         cache_dir = Path(cfg.train.cache_dir) if cfg.train.get("cache_dir") else default_cache_dir(cfg)
+        check_cache_exists(cfg, cache_dir)  # before the base loads
         cache_def = cache_features(cache_dir)
         if cache_def is not None and cache_def.compute_dtype is not None:
             if dtype == "auto":
@@ -499,14 +500,32 @@ def refuse_existing_run(run_dir: Path) -> None:
                              "or choose another train.run_name")
 
 
+def check_cache_exists(cfg: DictConfig, cache_dir: Path) -> None:
+    """Refuse an offline run whose cache is not there: with ``train.cache_dir`` set, naming that key and what
+    the folder lacks; else the cache the settings name, with the caches that do exist and how they differ
+    (:func:`data_prep.cache.missing_cache_message`).
+
+    Raises:
+        UserInputError: no ``train/manifest.json`` under ``cache_dir``.
+    """
+    if (cache_dir / "train" / "manifest.json").is_file():
+        return
+    if cfg.train.get("cache_dir"):
+        what = "no such folder" if not cache_dir.exists() else "no train/manifest.json there (not a data-prep cache)"
+        raise UserInputError(f"train.cache_dir={str(cfg.train.cache_dir)!r}: {what}; pass the folder `python -m data_prep` "
+                             "printed (it holds train/ and val/), or unset train.cache_dir to find the cache of these settings")
+    from data_prep.cache import missing_cache_message
+
+    raise UserInputError(missing_cache_message(cfg, cache_dir))
+
+
 def _cache_datamodule(cfg: DictConfig, tokenizer, identity: dict[str, Any]) -> CacheDataModule:
-    from data_prep.cache import default_cache_dir, missing_cache_message
+    from data_prep.cache import default_cache_dir
 
     from train.data import open_split
 
     cache_dir = Path(cfg.train.cache_dir) if cfg.train.cache_dir else default_cache_dir(cfg)
-    if not cfg.train.cache_dir and not (cache_dir / "train" / "manifest.json").is_file():
-        raise UserInputError(missing_cache_message(cfg, cache_dir))
+    check_cache_exists(cfg, cache_dir)
     readers = {split: open_split(cache_dir, split) for split in ("train", "val")}
     empty = [split for split, reader in readers.items() if len(reader) == 0]
     if empty:
