@@ -148,10 +148,12 @@ def coverage_table(train_counts: torch.Tensor, heldout_counts: torch.Tensor,
 
 
 def format_coverage(rows: Sequence[dict], heldout_labels: int) -> str:
-    """One line per N: ``top N: held-out x.xx% (train y.yy%)``."""
+    """One line per N: ``top N: held-out x.xx% (train y.yy%)``; an empty split's coverage (NaN) shows as ``-``."""
+    def pct(x: float) -> str:
+        return f"{100 * x:6.2f}%" if x == x else f"{'-':>7}"
+
     head = f"label coverage of the top-N training labels on the held-out split ({heldout_labels:,} labels):"
-    body = [f"  top {r['N']:>6,}: held-out {100 * r['heldout_coverage']:6.2f}%   train {100 * r['train_coverage']:6.2f}%"
-            for r in rows]
+    body = [f"  top {r['N']:>6,}: held-out {pct(r['heldout_coverage'])}   train {pct(r['train_coverage'])}" for r in rows]
     return "\n".join([head, *body])
 
 

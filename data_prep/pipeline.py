@@ -213,9 +213,9 @@ def check_against_base(cfg, base_config) -> list[int]:
     layers = sorted({int(l) for l in cfg.prep.layers})
     bad = [l for l in layers if not 1 <= l < L]
     if bad:
-        raise UserInputError(f"prep.layers={layers}: {bad} are not intermediate layers of the base (model.path="
-                             f"{cfg.model.path!r} has L={L}; ids must lie in [1, {L}), and hs[{L}], the final "
-                             "post-norm state, is always cached)")
+        base = f"model.path={cfg.model.path!r}" if cfg.model.get("path") else "the packaged SmolLM2-135M-Instruct"
+        raise UserInputError(f"prep.layers={layers}: {bad} are not intermediate layers of the base ({base} has L={L}; "
+                             f"ids must lie in [1, {L}), and hs[{L}], the final post-norm state, is always cached)")
     return layers
 
 

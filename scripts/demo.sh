@@ -69,8 +69,10 @@ echo "demo done in $(( ($(date +%s) - START + 30) / 60 )) min: cache in $ROOT/ca
   "report in $ROOT/eval/$RUN/report.json"
 cat <<EOF_NEXT
 The summary above: parity (speculative output = vanilla greedy, token for token), tau (tokens per
-base forward) and the speedup against vanilla decoding in the same run. A 150-step head is a smoke
-test, not a drafter: the heads trained at budget and their tau are in docs/results.md.
+base forward), "speedup" against vanilla decoding in the evaluation's own dtype (fp32, exact parity),
+and the "speed headline", the figure to quote: against the fastest vanilla this machine has (bf16 where
+it is native). A 150-step head is a smoke test, not a drafter: the heads trained at budget, their tau
+and speedups are in docs/results.md.
 Next: train another head on this cache ($PY -m train heads=falcon_k1 labels=teacher_forced), evaluate it on MT-bench
 (docs/evaluation.md, docs/glossary.md for the questions' file), or plan the comparison of record (bash scripts/compare.sh --dry-run eval.prompts=/path/to/mt_bench_questions.jsonl).
 EOF_NEXT

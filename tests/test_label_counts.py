@@ -110,3 +110,14 @@ def test_count_labels_rejects_out_of_range():
     with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
         lc.count_labels(torch.tensor([0, 4]), torch.tensor([True, True]), 4)
     assert lc.count_labels(torch.tensor([0, 4, 1]), torch.tensor([True, False, True]), 4).tolist() == [1, 1, 0, 0]
+
+
+def test_coverage_of_an_empty_held_out_split_prints_no_nan():
+    """A two-conversation data file leaves the held-out split empty: its coverage is NaN, printed as '-'."""
+    from data_prep.label_counts import coverage_table, format_coverage
+
+    train = torch.tensor([5, 3, 2, 0, 0, 0], dtype=torch.int64)
+    text = format_coverage(coverage_table(train, torch.zeros(6, dtype=torch.int64), sizes=[2, 4]), 0)
+    assert "nan" not in text.lower()
+    assert text.splitlines()[1:] == ["  top      2: held-out       -   train  80.00%",
+                                     "  top      4: held-out       -   train 100.00%"]
