@@ -38,7 +38,8 @@ from core.io import atomic_save_safetensors, atomic_write_json, sha256_file, sha
 FORMAT = "draftheads-cache-v1"
 MANIFEST = "manifest.json"
 #: config keys that do not change the cache's content (excluded from the cache hash)
-RUNTIME_KEYS = {"model": ("cache_dir",), "prep": ("cache_dir", "batch_tokens", "gen_batch_size", "progress")}
+RUNTIME_KEYS = {"model": ("cache_dir",),
+                "prep": ("cache_dir", "batch_tokens", "gen_batch_size", "prepack_weights", "progress")}
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 if hasattr(torch, "float8_e4m3fn"):  # prep.dtype=float8_e4m3fn: per-row scales (data_prep.fp8)

@@ -24,6 +24,10 @@ def _data_prep_checks(cfg: DictConfig) -> None:
         check_range(cfg, "prep.shard_size", 1)
         check_range(cfg, "prep.batch_tokens", 1)
         check_range(cfg, "prep.gen_batch_size", 1)
+        from decoding.prepacked import prepack_mode
+
+        if prepack_mode(cfg.prep.get("prepack_weights", "auto")) is None:
+            raise ConfigError(f"prep.prepack_weights={cfg.prep.prepack_weights!r}: use auto, true or false")
         if cfg.prep.get("max_new_tokens") is not None:
             check_range(cfg, "prep.max_new_tokens", 1)
         layers = OmegaConf.select(cfg, "prep.layers")

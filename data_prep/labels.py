@@ -487,6 +487,34 @@ def _fast_attention(model):
             model.set_attn_implementation(old)
 
 
+@contextmanager
+def packed_for_generation(model, mode: str = "auto"):
+    """``prep.prepack_weights`` (``auto`` | ``true`` | ``false``) for the duration of a regeneration: the
+    base's linear weights packed for oneDNN as the evaluation packs them
+    (:func:`decoding.prepacked.pack_for_decoding`), then restored, so features are always computed by the
+    plain products that online training and a fresh forward use.
+
+    ``auto`` packs a bf16 / fp16 base where packed bf16 was measured the fastest (AMX, AMD
+    ``avx512_bf16``: 123 against 92 regenerated tokens/s at batch 8 on a Zen 4, ``benchmarks/bench_regen.py``),
+    never an fp32 one (not measured for regeneration; its packed products round differently from batch-1
+    decoding).  A base its caller packed already is left as it is.  Yields the packed layers' names.
+
+    Raises:
+        ValueError: ``true`` where packing cannot apply (names ``prep.prepack_weights``).
+    """
+    from decoding.prepacked import pack_for_decoding, packed_layers, restore_linear_weights
+
+    if packed_layers(model) or mode == "false" or (mode == "auto" and model.dtype == torch.float32):
+        yield []
+        return
+    names = pack_for_decoding(model, mode, "prep.prepack_weights")
+    try:
+        yield names
+    finally:
+        if names:
+            restore_linear_weights(model)
+
+
 @torch.inference_mode()
 def regenerate(model, tokenizer, conversations: Sequence[RegenSource], eos_ids: set[int], max_new_tokens: int | None,
                max_length: int, batch_size: int = 16, on_generated=None, stats: Counter | None = None,

@@ -25,10 +25,11 @@ from core.io import atomic_write_json
 from data_prep import cache as cache_mod
 from data_prep import label_counts
 from data_prep.features import FeatureDefinition
-from data_prep.labels import conversation_groups, forward_features, regen_sources, regenerate
+from data_prep.labels import conversation_groups, forward_features, packed_for_generation, regen_sources, regenerate
 from data_prep.front import (SPLITS, SplitConversations, TemplatedConversation, heldout_prompts,  # noqa: F401
                               read_split, template_split)
 from data_prep.template import end_of_turn_ids, pad_token_id
+from decoding.prepacked import prepack_mode
 
 def _eos_ids_before_model(model_cfg, tokenizer) -> set[int]:
     """End-of-turn ids from the tokenizer and the generation config the base will load with, read
@@ -222,7 +223,7 @@ def check_against_base(cfg, base_config) -> list[int]:
 def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, labels_mode: str, max_length: int,
                   max_new_tokens: int | None, layers: Sequence[int], final_layer: int, batch_tokens: int,
                   gen_batch_size: int, progress: _Progress | None = None, storage: torch.dtype | None = None,
-                  examples: dict | None = None) -> tuple[list[dict], Counter]:
+                  examples: dict | None = None, prepack_weights: str = "false") -> tuple[list[dict], Counter]:
     """Label and featurise templated conversations (one shard's worth), in input order.
 
     Args:
@@ -231,6 +232,7 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         labels_mode: ``teacher_forced`` or ``regenerate`` (records ``<id>``, ``<id>#1``, ... per
             conversation as the template renders the regenerated replies).
         max_new_tokens: regeneration budget per turn (``None`` = up to ``max_length``).
+        prepack_weights: ``prep.prepack_weights`` for the regeneration (:func:`data_prep.labels.packed_for_generation`).
 
     Returns:
         ``(records, counts)``: records with ``id``, ``input_ids``, ``loss_mask``, ``labels``
@@ -255,10 +257,11 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         stats: Counter = progress.shard_stats() if progress is not None else Counter()
         sources = regen_sources(convs, stats)
         errors: dict[str, str] = {}
-        regenerated = regenerate(model, tokenizer, sources, eos, max_new_tokens, max_length, gen_batch_size,
-                                 on_generated=progress.generated if progress is not None else None,
-                                 on_done=progress.regenerated if progress is not None else None, stats=stats,
-                                 errors=errors)
+        with packed_for_generation(model, prepack_weights):
+            regenerated = regenerate(model, tokenizer, sources, eos, max_new_tokens, max_length, gen_batch_size,
+                                     on_generated=progress.generated if progress is not None else None,
+                                     on_done=progress.regenerated if progress is not None else None, stats=stats,
+                                     errors=errors)
         for key, message in errors.items():
             print(f"data prep: regeneration ended {message} (counted as regen_{key})", file=sys.stderr)
         for key in ("regen_turns", "regen_truncated_turns", *(k for k, _ in REGEN_DETAILS)):
@@ -471,7 +474,8 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
                 model, tokenizer, convs, labels_mode=str(cfg.labels), max_length=max_length,
                 max_new_tokens=max_new, layers=layers, final_layer=L,
                 batch_tokens=int(cfg.prep.batch_tokens), gen_batch_size=int(cfg.prep.gen_batch_size),
-                progress=progress, storage=dtype, examples=examples)
+                progress=progress, storage=dtype, examples=examples,
+                prepack_weights=prepack_mode(cfg.prep.get("prepack_weights", "auto")))
             for reason, ex in examples.items():
                 print(f"data prep: dropped conversation {ex['id']!r} ({reason}: {ex['value']} at layer {ex['layer']}, "
                       f"position {ex['position']})", file=sys.stderr)

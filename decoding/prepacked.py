@@ -407,3 +407,55 @@ def prepacked_chunks(model: torch.nn.Module) -> tuple[int, int] | None:
     rows = [getattr(m, _PACKED).chunk_rows for m in model.modules()
             if getattr(m, _PACKED, None) is not None and getattr(m, _PACKED).chunk_rows]
     return (len(rows), min(rows)) if rows else None
+
+
+def prepack_mode(value) -> str | None:
+    """A ``prepack_weights`` setting (``eval.prepack_weights``, ``prep.prepack_weights``) as ``"auto"``,
+    ``"true"`` or ``"false"`` (YAML booleans and None included: ``true`` typed on a command line arrives as
+    True); None when it is none of them."""
+    mode = {True: "true", False: "false", None: "false"}.get(value, str(value).lower())
+    return mode if mode in ("auto", "true", "false") else None
+
+
+def pack_for_decoding(model: torch.nn.Module, mode: str, key: str = "eval.prepack_weights") -> list[str]:
+    """Pack ``model``'s linear weights for decoding as ``mode`` (:func:`prepack_mode`) says, in place.
+
+    * an fp32 base on a CPU: products of >= 3 rows (verification, prefill) use the packed weights, and
+      those of 1 or 2 rows where this CPU runs the packed product faster, timed per weight shape
+      (:func:`prepack_linear_weights` with ``min_rows="auto"``);
+    * a bf16 / fp16 base on a CPU: every product of a layer whose packed products are row-consistent
+      uses them, one-token steps included (:func:`prepack_row_consistent`).  ``auto`` does this where
+      bf16 is native and the packed products were measured the fastest bf16 kernels (AMX, and AMD's
+      ``avx512_bf16``: :func:`core.precision.packed_bf16_is_fastest`); ``true`` on any CPU whose oneDNN
+      packs the dtype.
+
+    ``true`` requires packing to apply; ``false`` packs nothing.
+
+    Returns:
+        The packed layers' names ([] when off or not applicable).
+
+    Raises:
+        ValueError: ``mode`` is true where packing cannot apply (the message names ``key``).
+    """
+    from core.precision import bf16_support, packed_bf16_is_fastest
+
+    if mode == "false":
+        return []
+    device = next(model.parameters()).device
+    name = str(model.dtype).replace("torch.", "")
+    packs = device.type == "cpu" and model.dtype in PACK_DTYPES + ROW_CONSISTENT_DTYPES and can_pack(model.dtype)
+    if packs and model.dtype in ROW_CONSISTENT_DTYPES and mode == "auto":
+        if not (bf16_support(device).native and packed_bf16_is_fastest()):
+            return []
+    if not packs:
+        if mode == "true":
+            raise ValueError(f"{key}=true needs a CPU base whose oneDNN packs its dtype; this base is {name} on {device} "
+                             f"(oneDNN: {available()}, packs {name}: {can_pack(model.dtype)})")
+        return []
+    if model.dtype in ROW_CONSISTENT_DTYPES:
+        names = prepack_row_consistent(model)
+        if mode == "true" and not names:
+            raise ValueError(f"{key}=true: oneDNN's packed {name} products are not row-consistent on this CPU for "
+                             "any linear layer (decoding.prepacked)")
+        return names
+    return prepack_linear_weights(model, min_rows="auto")

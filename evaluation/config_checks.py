@@ -19,14 +19,6 @@ def check_fastest_vanilla_entries(value) -> list[str]:
     return bad
 
 
-def prepack_mode(value) -> str | None:
-    """``eval.prepack_weights`` as ``"auto"``, ``"true"`` or ``"false"`` (YAML booleans and None
-    included: ``true`` typed on a command line arrives as True); None when it is none of them
-    (:func:`evaluation.methods.prepacked_products`)."""
-    mode = {True: "true", False: "false", None: "false"}.get(value, str(value).lower())
-    return mode if mode in ("auto", "true", "false") else None
-
-
 @register_validator
 def _eval_checks(cfg: DictConfig) -> None:
     if "eval" not in cfg or not isinstance(cfg.eval, DictConfig) or "max_new_tokens" not in cfg.eval:
@@ -54,6 +46,8 @@ def _eval_checks(cfg: DictConfig) -> None:
             or (isinstance(fv, ListConfig) and not check_fastest_vanilla_entries(fv))):
         raise ConfigError(f"eval.fastest_vanilla={fv!r} must be auto, off or a list of dtypes ({', '.join(DTYPES)}), "
                           "each optionally :eager or :sdpa (float32:sdpa)")
+    from decoding.prepacked import prepack_mode
+
     if prepack_mode(cfg.eval.get("prepack_weights", "auto")) is None:
         raise ConfigError(f"eval.prepack_weights={cfg.eval.prepack_weights!r}: use auto, true or false")
     check_device(cfg.eval.get("device"))

@@ -138,7 +138,7 @@ def packed_loader(load: Callable[[str], Any], ev) -> Callable[[str], Any]:
     leaves the references unpacked too; ``true`` packs them where ``auto`` would (a reference dtype
     that cannot be packed is timed as it is, not refused).
     """
-    from evaluation.config_checks import prepack_mode
+    from decoding.prepacked import prepack_mode
     from evaluation.methods import prepacked_products
 
     mode = "false" if prepack_mode(ev.get("prepack_weights", "auto")) == "false" else "auto"

@@ -120,22 +120,10 @@ def row_consistent_products(model, ev) -> list[str]:
 
 def prepacked_products(model, ev) -> list[str]:
     """``eval.prepack_weights`` (default ``auto``): linear weights reordered once for oneDNN
-    (:mod:`decoding.prepacked`; docs/precision.md "Prepacked verification weights" and "bf16 on a CPU
-    with AMX").  Applies to ``model`` itself, before :func:`row_consistent_products`.
-
-    * an fp32 base on a CPU: products of >= 3 rows (verification, prefill) use the packed weights, and
-      those of 1 or 2 rows where this CPU runs the packed product faster, timed per weight shape
-      (:func:`decoding.prepacked.prepack_linear_weights` with ``min_rows="auto"``).  Where a layer's
-      one-row product is packed (the LM head on the AMD EPYC Zen 3), vanilla's one-token step runs it
-      too: vanilla is as fast as this machine makes it, and every vanilla reference shares it;
-    * a bf16 / fp16 base on a CPU: every product of a layer whose packed products are row-consistent
-      uses them, one-token steps included, so vanilla and verification still run one kernel
-      (:func:`decoding.prepacked.prepack_row_consistent`).  ``auto`` does this where bf16 is native
-      and the packed products were measured the fastest bf16 kernels (AMX, and AMD's ``avx512_bf16``:
-      :func:`core.precision.packed_bf16_is_fastest`); ``true`` does it on any CPU whose oneDNN packs
-      the dtype.
-
-    ``true`` requires packing to apply, ``false`` turns it off.
+    (:func:`decoding.prepacked.pack_for_decoding`; docs/precision.md "Prepacked verification weights" and
+    "bf16 on a CPU with AMX").  Applies to ``model`` itself, before :func:`row_consistent_products`.
+    Where a layer's one-row product is packed (the LM head on the AMD EPYC Zen 3), vanilla's one-token
+    step runs it too: vanilla is as fast as this machine makes it, and every vanilla reference shares it.
 
     Returns:
         The packed layers' names ([] when off or not applicable).
@@ -143,36 +131,12 @@ def prepacked_products(model, ev) -> list[str]:
     Raises:
         ValueError: ``eval.prepack_weights`` is not auto/true/false, or is true where it cannot apply.
     """
-    from core.precision import bf16_support, packed_bf16_is_fastest
-    from decoding.prepacked import (PACK_DTYPES, ROW_CONSISTENT_DTYPES, available, can_pack, prepack_linear_weights,
-                                    prepack_row_consistent)
-    from decoding.verify import model_device
-    from evaluation.config_checks import prepack_mode
+    from decoding.prepacked import pack_for_decoding, prepack_mode
 
     mode = prepack_mode(ev.get("prepack_weights", "auto"))
     if mode is None:
         raise ValueError(f"eval.prepack_weights={ev.get('prepack_weights')!r}: use auto, true or false")
-    if mode == "false":
-        return []
-    device = model_device(model)
-    packs = device.type == "cpu" and model.dtype in PACK_DTYPES + ROW_CONSISTENT_DTYPES and can_pack(model.dtype)
-    if packs and model.dtype in ROW_CONSISTENT_DTYPES and mode == "auto":
-        packs = bf16_support(device).native and packed_bf16_is_fastest()
-        if not packs:
-            return []
-    if not packs:
-        if mode == "true":
-            raise ValueError(f"eval.prepack_weights=true needs a CPU base whose oneDNN packs its dtype; this base is "
-                             f"{_dtype_name(model.dtype)} on {device} (oneDNN: {available()}, "
-                             f"packs {_dtype_name(model.dtype)}: {can_pack(model.dtype)})")
-        return []
-    if model.dtype in ROW_CONSISTENT_DTYPES:
-        names = prepack_row_consistent(model)
-        if mode == "true" and not names:
-            raise ValueError(f"eval.prepack_weights=true: oneDNN's packed {_dtype_name(model.dtype)} products are "
-                             "not row-consistent on this CPU for any linear layer (decoding.prepacked)")
-        return names
-    return prepack_linear_weights(model, min_rows="auto")
+    return pack_for_decoding(model, mode, "eval.prepack_weights")
 
 
 def pack_like_base(head, base_model) -> list[str]:

@@ -295,6 +295,8 @@ def test_bad_prep_config_is_rejected(tiny_model_dir, data_file, tmp_path):
         _cfg(tiny_model_dir, data_file, tmp_path, "prep.dtype=int8")
     with pytest.raises(ConfigError, match="prep.layers"):
         _cfg(tiny_model_dir, data_file, tmp_path, "prep.layers=[-1]")
+    with pytest.raises(ConfigError, match="prep.prepack_weights='maybe': use auto, true or false"):
+        _cfg(tiny_model_dir, data_file, tmp_path, "prep.prepack_weights=maybe")
 
 
 def test_prepared_cache_is_never_overwritten_by_other_settings(tiny_base, tiny_model_dir, data_file, tmp_path):

@@ -593,3 +593,37 @@ def test_a_regenerated_reply_the_template_cannot_render_ends_its_conversation_co
     assert all(len(recs) == 1 and sum(1 for a, b in zip([False] + m, m) if b and not a) == 1
                for recs in ended for _, m in recs)  # one reply written, nothing after it
     assert "not a dataset reply" in errors["template_errors"] and "turn 1" in errors["template_errors"]
+
+
+@pytest.mark.parametrize("mode, packs", [("true", True), ("false", False), ("auto", False)])
+def test_regeneration_packs_its_weights_as_asked_and_featurises_unpacked(varied, varied_dir, data_file, tmp_path,
+                                                                          monkeypatch, mode, packs):
+    """prep.prepack_weights packs the base for regeneration only (auto: bf16 where packed bf16 was measured the
+    fastest, never fp32), restores it before the features are computed, and is no part of the cache's identity."""
+    import copy
+
+    from decoding.prepacked import can_pack, packed_layers
+
+    if not can_pack(torch.bfloat16):
+        pytest.skip("this CPU's oneDNN does not pack bf16")
+    model = copy.deepcopy(varied[0]).to(torch.bfloat16)
+    tok, ident = varied[1], varied[2]
+    during, real = [], pipeline.regenerate
+    featurised = []
+    real_features = pipeline.forward_features
+
+    def spy(m, *a, **k):
+        during.append(packed_layers(m))
+        return real(m, *a, **k)
+
+    def spy_features(m, *a, **k):
+        featurised.append(packed_layers(m))
+        return real_features(m, *a, **k)
+
+    monkeypatch.setattr(pipeline, "regenerate", spy)
+    monkeypatch.setattr(pipeline, "forward_features", spy_features)
+    cfg = _cfg(varied_dir, data_file, tmp_path, "model.dtype=bfloat16", f"prep.prepack_weights={mode}")
+    pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
+    assert during and all((n > 0) == packs for n in during)
+    assert featurised and set(featurised) == {0} and packed_layers(model) == 0
+    assert default_cache_dir(cfg) == default_cache_dir(_cfg(varied_dir, data_file, tmp_path, "model.dtype=bfloat16"))
