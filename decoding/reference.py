@@ -23,6 +23,9 @@ from decoding.ranking import greedy_ids
 from decoding.tree import DraftTree
 from decoding.verify import base_forward, crop_cache, new_cache
 
+#: ``eval.checkpoint`` values that name a reference drafter instead of a head checkpoint folder
+REFERENCE_DRAFTERS = ("oracle", "random")
+
 
 def prompt_seed(seed: int, prompt_ids) -> int:
     """A 63-bit seed from ``seed`` and a prompt's token ids (LongTensor [T] or ints), stable across

@@ -179,12 +179,6 @@ def check_device(dev) -> None:
         raise ConfigError("eval.device=mps, but MPS is not available on this machine; use eval.device=cpu or null")
 
 
-def _reference_drafters() -> tuple[str, ...]:
-    from evaluation.methods import REFERENCE_DRAFTERS
-
-    return REFERENCE_DRAFTERS
-
-
 def _tree_checks(cfg: DictConfig) -> None:
     """``eval.tree*`` (issue 14): a known mode, a non-empty grid of node counts, ``tree_nodes`` in it,
     and Falcon rank-tree specs given as paths that are trees (every path's parent listed too)."""
@@ -202,10 +196,12 @@ def _tree_checks(cfg: DictConfig) -> None:
         raise ConfigError(f"eval.tree_nodes={tn} must be one of eval.tree_grid={list(grid)}")
     for key in ("tree_max_rank", "cost_context_tokens", "calibration_prompts"):
         check_range(cfg, f"eval.{key}", 1, None)
+    from decoding.reference import REFERENCE_DRAFTERS
+
     if cfg.eval.get("calibration_max_new_tokens") is not None:
         check_range(cfg, "eval.calibration_max_new_tokens", 2, None)
     elif (cfg.eval.tree in ("auto", "dynamic") and OmegaConf.select(cfg, "heads.type") in ("falcon", "ctc", "eagle3")
-          and str(cfg.eval.get("checkpoint")) not in _reference_drafters()
+          and str(cfg.eval.get("checkpoint")) not in REFERENCE_DRAFTERS
           and isinstance(cfg.eval.get("max_new_tokens"), int) and cfg.eval.max_new_tokens < 2):
         # the calibration decodes eval.max_new_tokens per held-out prompt; a reply's first token comes from the prefill
         raise ConfigError(f"eval.max_new_tokens={cfg.eval.max_new_tokens} leaves eval.tree={cfg.eval.tree}'s calibration "

@@ -20,12 +20,10 @@ import torch
 from omegaconf import DictConfig
 
 from core.config import to_container
-from decoding.reference import OracleDrafter, RandomDrafter
+from decoding.reference import REFERENCE_DRAFTERS, OracleDrafter, RandomDrafter
 from decoding.speculative import Decoder, Drafter, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
-
-REFERENCE_DRAFTERS = ("oracle", "random")
 
 
 def resolve_device(name: str | None) -> torch.device:

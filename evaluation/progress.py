@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from core.config import to_container
 from core.io import atomic_write_text
-from evaluation.methods import REFERENCE_DRAFTERS
+from decoding.reference import REFERENCE_DRAFTERS
 
 
 def prompt_digest(input_ids: torch.Tensor) -> str:
