@@ -38,8 +38,9 @@ def output_dir_problem(path: str | os.PathLike) -> str | None:
 
     Looked at before anything is written, so that a bad output path is refused by name instead of
     failing in ``mkdir`` after minutes of work.  Reasons: ``path`` or one of its ancestors exists and
-    is not a folder, or the deepest existing ancestor is a folder this process cannot write into
-    (``os.access`` with ``W_OK | X_OK``, so root passes everywhere).  Nothing is created.
+    is not a folder, or the deepest existing ancestor is a folder this process cannot write into:
+    ``os.access`` with ``W_OK | X_OK``, then a probe folder made and removed there, which also catches
+    what root cannot write either (``/proc``, ``/sys``, a read-only mount).  Nothing is left behind.
 
     Args:
         path: the output folder (need not exist; ``~`` is expanded).
@@ -55,6 +56,10 @@ def output_dir_problem(path: str | os.PathLike) -> str | None:
                 return f"{node} is {what}, not a folder"
             if not os.access(node, os.W_OK | os.X_OK):
                 return f"{node} is a folder this user cannot write into"
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".draftheads-probe-", dir=node))
+            except OSError as exc:
+                return f"{node} is a folder nothing can be created in ({exc.strerror or type(exc).__name__})"
             return None
     return None
 

@@ -33,6 +33,16 @@ def test_output_dir_problem_names_the_offending_path(tmp_path, a_file, monkeypat
     assert output_dir_problem(tmp_path / "other") is None
     monkeypatch.chdir(tmp_path)
     assert output_dir_problem("afile/x") == f"{a_file} is a file, not a folder"  # relative to the cwd
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".draftheads-probe")] == []  # probes removed
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs procfs")
+def test_a_folder_root_passes_os_access_for_but_cannot_write_is_refused():
+    """Root passes os.access everywhere, so eval.output_dir=/proc/x loaded the base, measured and calibrated
+    for 30 s, then failed in mkdir with a bare errno; the probe folder tells at once."""
+    from core.io import output_dir_problem
+
+    assert output_dir_problem("/proc/x/run").startswith("/proc is a folder nothing can be created in (")
 
 
 def test_output_root_through_a_file_is_refused_at_compose(a_file):
