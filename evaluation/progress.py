@@ -191,31 +191,12 @@ class Progress:
     """
 
     def __init__(self, path: Path, fingerprint: tuple[str, dict[str, str]], resume, config: DictConfig | None = None) -> None:
-        fingerprint, weights = fingerprint
-        self.path, self.records = path, {}
-        if resume not in (None, "auto"):
-            raise ValueError(f"resume={resume!r}: evaluation takes resume=auto (continue {path.name} in "
-                             "eval.output_dir) or nothing")
-        if path.is_file() and path.stat().st_size:
-            head, self.records, _ = read_progress(path)
-            if resume != "auto":
-                raise ValueError(f"{path} already holds results of {len(self.records)} prompt(s): "
-                                 "pass resume=auto to continue them, or choose another eval.output_dir")
-            now, then = weight_digests(weights), weight_digests(head.get("weights"))
-            changed = sorted(c for c in set(now) | set(then) if now.get(c) != then.get(c))
-            if changed:
-                names = [str((weights.get(c) or (head.get("weights") or {}).get(c) or {}).get("path", c))
-                         if isinstance(weights.get(c) or (head.get("weights") or {}).get(c), dict) else c for c in changed]
-                raise ValueError(f"{path}: the weights of checkpoint {', '.join(names)} changed since these results "
-                                 "were written (checkpoints are identified by their model.safetensors SHA-256); "
-                                 "evaluate them into another eval.output_dir")
-            if head.get("fingerprint") != fingerprint:
-                raise ValueError(f"{path} was written under a different model/heads/eval configuration"
-                                 f"{differences_note(path.parent / 'config.yaml', config)}; "
-                                 "resume with the same settings, or choose another eval.output_dir")
+        self.path = path
+        head, self.records = check_progress(path, fingerprint, resume, config)
+        if head is not None:
             write_progress(path, head, self.records.values())  # drop a torn tail before appending
         else:
-            write_progress(path, {"fingerprint": fingerprint, "weights": weights}, [])
+            write_progress(path, {"fingerprint": fingerprint[0], "weights": fingerprint[1]}, [])
 
     def append(self, record: dict[str, Any]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
@@ -223,6 +204,43 @@ class Progress:
             f.flush()
             os.fsync(f.fileno())
         self.records[str(record["id"])] = record
+
+
+def check_progress(path: Path, fingerprint: tuple[str, dict[str, str]], resume, config: DictConfig | None = None
+                   ) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:
+    """What :class:`Progress` finds in ``path`` and may continue, read without writing anything (the
+    evaluation calls it before the base loads when ``eval.output_dir`` is given).
+
+    Returns:
+        ``(head, records)``: the file's first line and its records by prompt id, or ``(None, {})`` for no file.
+
+    Raises:
+        ValueError: as :class:`Progress`.
+    """
+    fingerprint, weights = fingerprint
+    records: dict[str, dict[str, Any]] = {}
+    if resume not in (None, "auto"):
+        raise ValueError(f"resume={resume!r}: evaluation takes resume=auto (continue {path.name} in "
+                         "eval.output_dir) or nothing")
+    if path.is_file() and path.stat().st_size:
+        head, records, _ = read_progress(path)
+        if resume != "auto":
+            raise ValueError(f"{path} already holds results of {len(records)} prompt(s): "
+                             "pass resume=auto to continue them, or choose another eval.output_dir")
+        now, then = weight_digests(weights), weight_digests(head.get("weights"))
+        changed = sorted(c for c in set(now) | set(then) if now.get(c) != then.get(c))
+        if changed:
+            names = [str((weights.get(c) or (head.get("weights") or {}).get(c) or {}).get("path", c))
+                     if isinstance(weights.get(c) or (head.get("weights") or {}).get(c), dict) else c for c in changed]
+            raise ValueError(f"{path}: the weights of checkpoint {', '.join(names)} changed since these results "
+                             "were written (checkpoints are identified by their model.safetensors SHA-256); "
+                             "evaluate them into another eval.output_dir")
+        if head.get("fingerprint") != fingerprint:
+            raise ValueError(f"{path} was written under a different model/heads/eval configuration"
+                             f"{differences_note(path.parent / 'config.yaml', config)}; "
+                             "resume with the same settings, or choose another eval.output_dir")
+        return head, records
+    return None, records
 
 
 def absolute_paths(cfg: DictConfig) -> DictConfig:

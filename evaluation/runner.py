@@ -144,7 +144,9 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
             before the base loads).
         FileNotFoundError: a checkpoint (``eval.checkpoint``, a variant's) is not a head checkpoint
             folder (:func:`heads.registry.check_checkpoint_dir`; checked before the base loads).
-        ValueError: such a checkpoint holds another head than ``heads.type`` (also before the base loads).
+        ValueError: such a checkpoint holds another head than ``heads.type``, or ``eval.output_dir`` holds
+            results this run may not continue (:func:`evaluation.progress.check_progress`); both before the
+            base loads.
     """
     from core.config import check_output_path
 
@@ -159,6 +161,12 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
             check_checkpoint_given(ckpt)
             if str(ckpt) not in REFERENCE_DRAFTERS:
                 check_checkpoint_dir(str(ckpt), want)
+    if cfg.eval.get("output_dir"):  # results there that this run may not continue: refused before the base loads
+        from evaluation.progress import absolute_paths, check_progress, progress_fingerprint
+
+        full = absolute_paths(cfg)
+        check_progress(Path(str(full.eval.output_dir)) / "progress.jsonl", progress_fingerprint(full),
+                       full.get("resume"), config=full)
     state: dict[str, Any] = {}
     try:
         return _evaluate(cfg, base, decoder, state)

@@ -102,3 +102,20 @@ def test_a_prompt_offset_past_the_prompts_is_refused_before_the_base_loads(tiny_
                                           r"use an offset below 3"):
         run_evaluation(cfg)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_dir_holding_results_is_refused_before_the_base_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """Before, the refusal came after the base had loaded, c(n) was measured and the tree calibrated (27 s on
+    SmolLM2), and left their files behind."""
+    import core.base_model
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": i, "prompt": "Hello"}) for i in "ab") + "\n")
+    argv = [f"model.path={tiny_model_dir}", "model.attn_implementation=eager", f"eval.prompts={prompts}",
+            "eval.checkpoint=oracle", "eval.max_new_tokens=4", "eval.warmup=0", f"eval.output_dir={tmp_path / 'out'}"]
+    run_evaluation(compose(argv))
+    monkeypatch.setattr(core.base_model, "load_base_model", lambda *a, **k: pytest.fail("the base was loaded"))
+    with pytest.raises(ValueError, match=r"progress.jsonl already holds results of 2 prompt\(s\): pass resume=auto"):
+        run_evaluation(compose(argv))
+    with pytest.raises(ValueError, match=r"different model/heads/eval configuration \(eval.max_new_tokens: 4 -> 5\)"):
+        run_evaluation(compose([*argv, "eval.max_new_tokens=5", "resume=auto"]))

@@ -249,7 +249,8 @@ def test_sampling_evaluation_reports_exits_and_marks_parity_unchecked(tiny_base,
     assert summary["temperature"] == 0.9 and summary["early_exits"] > 0  # γ = 0: every token exits early
     assert "parity: not checked (temperature 0.9" in capsys.readouterr().out
 
-    rc = main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", f"eval.prompts={prompts_file}", "eval.temperature=0.5"))
+    rc = main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", f"eval.prompts={prompts_file}", "eval.temperature=0.5",
+                f"eval.output_dir={tmp_path / 'greedy'}"))
     assert rc == 2 and "decodes greedily only" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", "eval.temperature=-1"))
