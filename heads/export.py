@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         path = export(args.checkpoint, args.format, args.out, base=args.base, verifier=args.verifier)
-    except (ExportError, FileNotFoundError, OSError, json.JSONDecodeError) as exc:
+    except (ValueError, OSError) as exc:  # ExportError, a checkpoint that is not one (heads.registry), JSON
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(path)

@@ -137,7 +137,8 @@ def check_checkpoint_dir(directory: str | os.PathLike, head_type: str | None = N
     Raises:
         FileNotFoundError: it does not exist; it is a training run's folder (names its ``best/`` and
             ``last/``); or a file is missing (named).
-        ValueError: its ``config.json`` is unreadable, or records another head type (:func:`check_head_type`).
+        ValueError: its ``config.json`` is not a head config, its ``model.safetensors`` header is unreadable,
+            or it records another head type (:func:`check_head_type`).
     """
     directory = Path(directory)
     if not directory.exists():
@@ -153,12 +154,20 @@ def check_checkpoint_dir(directory: str | os.PathLike, head_type: str | None = N
     for name in ("model.safetensors", "config.json"):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"checkpoint {directory} has no {name}")
-    if head_type is not None:
-        try:
-            held = json.loads((directory / "config.json").read_text(encoding="utf-8"))["head_type"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"checkpoint {directory}: config.json is not a head config ({type(exc).__name__})") from None
-        check_head_type(directory, str(held), head_type)
+    try:
+        held = json.loads((directory / "config.json").read_text(encoding="utf-8"))["head_type"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"checkpoint {directory}: config.json is not a head config ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    from safetensors import SafetensorError, safe_open
+
+    try:  # the header only: a torn or foreign file is named here, not as a library traceback at load
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"checkpoint {directory}: model.safetensors is not a readable safetensors file "
+                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    check_head_type(directory, str(held), head_type)
     return directory
 
 

@@ -75,15 +75,30 @@ def test_a_checkpoint_that_is_not_one_is_named_before_the_base_loads(tmp_path, m
     with pytest.raises(FileNotFoundError, match="no such directory"):
         run_evaluation(bad)
     # another head's checkpoint (SGLang's silent EAGLE-for-EAGLE-3 mix-up, sgl-project/sglang#21272): named, no load
+    from safetensors.torch import save_file
+    import torch
+
     falcon = tmp_path / "falcon_best"
     falcon.mkdir()
-    (falcon / "model.safetensors").write_bytes(b"")
+    save_file({"w": torch.zeros(2)}, str(falcon / "model.safetensors"))
     (falcon / "config.json").write_text(json.dumps({"head_type": "falcon"}))
     for argv in (["heads=eagle3", f"checkpoint={falcon}"],
                  ["heads=ctc", "checkpoint=oracle", f"eval.variants=[{{name: a, checkpoint: {falcon}}}]"]):
         cfg = compose(rewrite_argv([*argv, f"eval.output_dir={tmp_path / 'out'}"]))
         with pytest.raises(ValueError, match=re.escape(f"checkpoint {falcon} holds a 'falcon' head but heads.type=")):
             run_evaluation(cfg)
+    # a torn weights file or a config.json that is not JSON: named, where a library traceback came (the export too)
+    (falcon / "model.safetensors").write_bytes(b"\xff" * 64)
+    for call in (lambda: run_evaluation(compose(rewrite_argv(["heads=falcon", f"checkpoint={falcon}",
+                                                               f"eval.output_dir={tmp_path / 'out'}"]))),
+                 lambda: read_checkpoint(falcon)):
+        with pytest.raises(ValueError, match=re.escape(f"checkpoint {falcon}: model.safetensors is not a readable "
+                                                       "safetensors file (")):
+            call()
+    save_file({"w": torch.zeros(2)}, str(falcon / "model.safetensors"))
+    (falcon / "config.json").write_text("{head_type: falcon")
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint {falcon}: config.json is not a head config (JSONDecodeError")):
+        read_checkpoint(falcon)
 
 
 def test_a_prompt_offset_past_the_prompts_is_refused_before_the_base_loads(tiny_model_dir, tmp_path, monkeypatch):
