@@ -175,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     report = "--no-report" not in args
     args = [a for a in args if a != "--no-report"]
+    flags = [a for a in args if a.startswith("-")]
+    if flags:  # a mistyped --no-report was taken for OUT_DIR: a folder named after it, the base loaded
+        print(f"error: unknown option {flags[0]!r} (the only option is --no-report)\n{USAGE}", file=sys.stderr)
+        return 2
     if len(args) < 2:
         print(USAGE, file=sys.stderr)
         return 2

@@ -222,9 +222,13 @@ def _load(path: Path) -> dict[str, Any]:
     if not f.is_file():
         raise ValueError(f"{path}: no report.json (did that evaluation finish?)")
     try:
-        return json.loads(f.read_text(encoding="utf-8"))
+        rep = json.loads(f.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{f}: unreadable report ({exc})") from None
+    missing = [k for k in ("method", "checkpoint", "base_forwards_per_token") if not isinstance(rep, dict) or k not in rep]
+    if missing:
+        raise ValueError(f"{f}: not an evaluation report (no {', '.join(missing)})")
+    return rep
 
 
 def _chosen_tree(report: dict[str, Any]) -> dict[str, Any] | None:
@@ -329,6 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         name, dirs = a.split("=", 1)
         parts = dirs.split(",")
         entries.append((name, Path(parts[0]), Path(parts[1]) if len(parts) > 1 and parts[1] else None))
+    from core.io import output_dir_problem
+
+    if (problem := output_dir_problem(args[0])) is not None:
+        print(f"error: OUT_DIR {args[0]} cannot be written: {problem}", file=sys.stderr)
+        return 2
     try:
         rows = combine(entries)
     except ValueError as exc:

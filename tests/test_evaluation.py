@@ -136,6 +136,21 @@ def test_variants_share_one_vanilla_pass(tiny_model_dir, tmp_path, prompts_file,
     assert summary_main([str(tmp_path / "table"), f"heads={out},{out / 'orc'}"]) == 2  # timing: not a variants run
     assert "is an eval.variants run (variants orc, checkpoint=random,reference_depth=2) but its timing folder" in \
         capsys.readouterr().err
+    # an OUT_DIR through a file, and a report.json that is no report: one error line each, not a traceback
+    (tmp_path / "afile").write_text("x")
+    assert summary_main([str(tmp_path / "afile" / "t"), f"a={out / 'orc'}"]) == 2
+    assert f"error: OUT_DIR {tmp_path / 'afile' / 't'} cannot be written: {tmp_path / 'afile'} is a file" in \
+        capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "report.json").write_text("{}")
+    assert summary_main([str(tmp_path / "t2"), f"a={tmp_path / 'empty'}"]) == 2
+    assert "report.json: not an evaluation report (no method, checkpoint, base_forwards_per_token)" in \
+        capsys.readouterr().err
+    from evaluation.merge import main as merge_main
+
+    assert merge_main(["--no-reprot", str(out / "orc"), str(out / "orc")]) == 2
+    assert "error: unknown option '--no-reprot' (the only option is --no-report)" in capsys.readouterr().err
+    assert not (tmp_path / "--no-reprot").exists()
 
 
 @pytest.mark.parametrize("variants, message", [
