@@ -112,6 +112,17 @@ class FalconHead(DraftHead):
 
     head_type = "falcon"
 
+    @staticmethod
+    def check_config(cfg: dict[str, Any]) -> None:
+        """Validate a ``heads`` section (plain dict) at compose, before any base loads: the values
+        (:func:`check_falcon_config`) and the decoding tree; raises ValueError naming the key."""
+        merged = _merge(DEFAULTS, dict(cfg))
+        check_falcon_config(merged)
+        from decoding.falcon import FalconTreeTemplate
+
+        FalconTreeTemplate.from_config(merged["decoding"]["tree"], int(merged["block_size"]),
+                                       int(merged["decoding"]["passes"]))
+
     def __init__(self, cfg: dict[str, Any], base_config) -> None:
         merged = _merge(DEFAULTS, dict(cfg))
         check_falcon_config(merged)

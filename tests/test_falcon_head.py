@@ -392,3 +392,17 @@ def test_attention_diagnostic_matches_bruteforce_layer0(base):
     s0 = out["layer0"]["slot0"]
     assert s0["newest"] + s0["self"] + s0["older"] == pytest.approx(1.0, abs=1e-5)
     assert out["layer0"]["slot1"]["newest"] == out["layer0"]["slot1"]["self"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("heads.block_size=0", "heads.block_size: must be an int >= 1, got 0"),
+    ("heads.fuse=gru", "heads.fuse: 'gru'; choices: linear, lstm"),
+    ("heads.loss.alpha=2", r"heads.loss.alpha: must lie in \[0, 1\], got 2"),
+    ("heads.decoding.passes=0", "heads.decoding.passes: must be an int >= 1, got 0"),
+])
+def test_a_bad_falcon_setting_is_refused_at_compose(override, message):
+    """Falcon had no check_config, so these were refused by the head's constructor, after the base loaded."""
+    from core.config import ConfigError, compose
+
+    with pytest.raises(ConfigError, match=message):
+        compose(["heads=falcon_k1", override])
