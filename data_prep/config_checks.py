@@ -10,6 +10,9 @@ from core.config import ConfigError, check_choice, check_range, register_validat
 def _data_prep_checks(cfg: DictConfig) -> None:
     if "data" in cfg:
         check_range(cfg, "data.heldout_fraction", 0.0, 1.0)
+        if cfg.data.get("sources") and cfg.data.get("path"):
+            raise ConfigError(f"data.path={cfg.data.path!r} and data.sources are both set, and data.sources would "
+                              "silently win: list the file in data.sources ({path: ...}) or unset one of them")
         check_range(cfg, "data.max_length", 2)
         if cfg.data.get("max_conversations") is not None:
             check_range(cfg, "data.max_conversations", 1)
@@ -32,6 +35,8 @@ def _data_prep_checks(cfg: DictConfig) -> None:
             check_range(cfg, "prep.max_new_tokens", 1)
         layers = OmegaConf.select(cfg, "prep.layers")
         if layers is None or not OmegaConf.is_list(layers) or not all(
-                isinstance(l, int) and not isinstance(l, bool) and l >= 0 for l in layers):
-            raise ConfigError(f"prep.layers={layers!r} must be a list of hidden-state indices >= 0 "
-                              "(hs[l], l < L; the final layer L is always cached), e.g. prep.layers=[8,15,22]")
+                isinstance(l, int) and not isinstance(l, bool) and l >= 1 for l in layers):
+            raise ConfigError(f"prep.layers={layers!r} must be a list of intermediate hidden-state indices >= 1 "
+                              "(hs[l], 1 <= l < L; the final layer L is always cached), e.g. prep.layers=[8,15,22]")
+        if len(set(layers)) != len(layers):  # stored once, but a second hash of the same cache
+            raise ConfigError(f"prep.layers={list(layers)} repeats a layer; list each once")

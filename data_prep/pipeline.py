@@ -379,6 +379,9 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     from core.config import check_output_path
 
     check_output_path(cfg, "prep.cache_dir")  # a path through a file is refused before the base loads
+    if float(cfg.data.heldout_fraction) >= 1:  # (an evaluation may hold every conversation out; a cache may not)
+        raise UserInputError(f"data.heldout_fraction={cfg.data.heldout_fraction!r} holds every conversation out, so "
+                             "the cache's train split would be empty; use a share below 1, e.g. 0.05")
     if rank is None or world is None:
         rank, world = cache_mod.rank_world()
     # the base's compute dtype first: model.dtype=auto -> what runs on this CPU (one line), bf16 without

@@ -297,6 +297,15 @@ def test_bad_prep_config_is_rejected(tiny_model_dir, data_file, tmp_path):
         _cfg(tiny_model_dir, data_file, tmp_path, "prep.layers=[-1]")
     with pytest.raises(ConfigError, match="prep.prepack_weights='maybe': use auto, true or false"):
         _cfg(tiny_model_dir, data_file, tmp_path, "prep.prepack_weights=maybe")
+    # refused at compose, where each ran a base load (and a whole data prep) before
+    with pytest.raises(ConfigError, match=r"prep.layers=\[0\] must be a list of intermediate hidden-state indices >= 1"):
+        _cfg(tiny_model_dir, data_file, tmp_path, "prep.layers=[0]")  # was ">= 0", then [0] refused after the load
+    with pytest.raises(ConfigError, match=r"prep.layers=\[8, 8\] repeats a layer"):
+        _cfg(tiny_model_dir, data_file, tmp_path, "prep.layers=[8,8]")
+    with pytest.raises(UserInputError, match=r"data.heldout_fraction=1.0 holds every conversation out"):
+        pipeline.prepare(_cfg(tiny_model_dir, data_file, tmp_path, "data.heldout_fraction=1.0"), out=None)
+    with pytest.raises(ConfigError, match=r"data.path=.* and data.sources are both set"):
+        _cfg(tiny_model_dir, data_file, tmp_path, f"data.sources=[{{path: {data_file}}}]")
 
 
 def test_prepared_cache_is_never_overwritten_by_other_settings(tiny_base, tiny_model_dir, data_file, tmp_path):
@@ -390,7 +399,8 @@ def test_mixture_is_recorded_in_the_manifest_and_summary(tiny_base, tiny_model_d
     msgs.write_text("\n".join(json.dumps({"id": f"m{i}_0", "messages": [
         {"role": "assistant", "content": "leading"}, {"role": "user", "content": WORDS[i]},
         {"role": "assistant", "content": WORDS[i + 1]}]}) for i in range(4)))
-    cfg = _cfg(tiny_model_dir, data_file, tmp_path, f"data.sources=[{{path: {data_file}, max: 5}}, {{path: {msgs}}}]")
+    cfg = _cfg(tiny_model_dir, data_file, tmp_path, "data.path=null",
+               f"data.sources=[{{path: {data_file}, max: 5}}, {{path: {msgs}}}]")
     summary = pipeline.prepare(cfg, model, tok, ident, rank=0, world=1, out=None)
     man = json.loads((default_cache_dir(cfg) / "train" / "manifest.json").read_text())
     assert [(s["path"], s["conversations"]) for s in man["data_sources"]] == [(str(data_file), 5), (str(msgs), 4)]
