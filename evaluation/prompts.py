@@ -133,6 +133,9 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
             are kept per id); names the line.
     """
     path = Path(path)
+    if path.is_dir():
+        raise PromptError(f"eval.prompts={str(path)!r} is a folder: name the JSONL file of prompts in it "
+                          "(one JSON object a line)")
     if not path.is_file():
         raise PromptError(f"eval.prompts={str(path)!r}: file not found (MT-bench's is FastChat's "
                           "fastchat/llm_judge/data/mt_bench/question.jsonl, docs/glossary.md; "
@@ -239,6 +242,9 @@ def load_prompts(eval_cfg, data_cfg, tokenizer, records: list[dict[str, Any]] | 
         prompts.append(Prompt(pid, messages, ids, rec["category"], tuple(rec["follow_ups"])))
         if limit is not None and len(prompts) >= offset + int(limit):
             break
+    if per_cat is not None and set(taken) == {None}:  # one "category" of everything: N prompts, silently
+        raise PromptError(f"eval.prompts_per_category={per_cat}: {source} has no 'category' field, so it would keep "
+                          f"the first {per_cat} prompt(s) of the whole set; use eval.num_prompts instead")
     usable = len(prompts)
     prompts = prompts[offset:]
     if not prompts:

@@ -134,3 +134,17 @@ def test_an_output_dir_holding_results_is_refused_before_the_base_loads(tiny_mod
         run_evaluation(compose(argv))
     with pytest.raises(ValueError, match=r"different model/heads/eval configuration \(eval.max_new_tokens: 4 -> 5\)"):
         run_evaluation(compose([*argv, "eval.max_new_tokens=5", "resume=auto"]))
+
+
+def test_prompt_settings_that_would_silently_mislead_are_refused(tiny_model_dir, tmp_path):
+    from core.base_model import load_tokenizer
+    from evaluation.prompts import PromptError, load_prompts, read_jsonl_records
+
+    with pytest.raises(PromptError, match=re.escape(f"eval.prompts={str(tmp_path)!r} is a folder: name the JSONL file")):
+        read_jsonl_records(tmp_path)  # was "file not found"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": i, "prompt": "Hello"}) for i in "abc") + "\n")
+    cfg = compose([f"model.path={tiny_model_dir}", f"eval.prompts={prompts}", "eval.prompts_per_category=1"])
+    with pytest.raises(PromptError, match=r"eval.prompts_per_category=1: .*p.jsonl has no 'category' field, so it would "
+                                          r"keep the first 1 prompt\(s\) of the whole set; use eval.num_prompts"):
+        load_prompts(cfg.eval, cfg.data, load_tokenizer(cfg.model))
