@@ -186,9 +186,9 @@ def resolve_model_dir(model_cfg: Any) -> tuple[str, str, str | None]:
     """Return ``(load_path, source, sha256)`` for a ``model`` config section.
 
     Raises:
-        FileNotFoundError: ``model.path`` is a missing ``.gguf`` file, or a missing path that can only be
-            a local one (:func:`core.io.names_a_local_path`; a hub id such as ``owner/name`` is left to
-            transformers).
+        FileNotFoundError: ``model.path`` is a missing ``.gguf`` file, a missing path that can only be a
+            local one (:func:`core.io.names_a_local_path`; a hub id such as ``owner/name`` is left to
+            transformers), another file, or a folder without ``config.json``.
     """
     path = model_cfg.get("path")
     cache_dir = Path(model_cfg.get("cache_dir") or default_cache_dir())
@@ -202,6 +202,11 @@ def resolve_model_dir(model_cfg: Any) -> tuple[str, str, str | None]:
         local = Path(str(path)).expanduser()
         if not local.exists() and names_a_local_path(str(path)):
             raise FileNotFoundError(f"model.path={path!r}: no such model folder")
+        if local.is_file():
+            raise FileNotFoundError(f"model.path={path!r} is a file: give a Hugging Face model folder or a .gguf file")
+        if local.is_dir() and not (local / "config.json").is_file():
+            raise FileNotFoundError(f"model.path={path!r} has no config.json: not a Hugging Face model folder "
+                                    "(or give a .gguf file)")
         load = str(local) if local.exists() else str(path)  # a folder under ~ is loaded, not looked up on the hub
         return load, str(path), converted_gguf_sha256(load)
     folder = convert_gguf(gguf, cache_dir)

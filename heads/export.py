@@ -141,8 +141,10 @@ def check_base(meta: dict[str, Any], base: str | None) -> None:
     try:
         load_path, _, sha = resolve_model_dir({"path": base})
         cfg = AutoConfig.from_pretrained(load_path, trust_remote_code=False)
-    except FileNotFoundError:
-        raise ExportError(f"--base {base}: no such file or folder") from None
+    except FileNotFoundError as exc:
+        if not Path(base).expanduser().exists():
+            raise ExportError(f"--base {base}: no such file or folder") from None
+        raise ExportError(f"--base {base}: not a Hugging Face model folder or GGUF file ({exc})") from None
     except (OSError, ValueError) as exc:  # transformers: no config.json, no model_type, a hub id offline
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ExportError(f"--base {base}: not a Hugging Face model folder or GGUF file ({first})") from None

@@ -60,3 +60,15 @@ def test_a_hub_id_is_left_to_transformers():
     from core.base_model import resolve_model_dir
 
     assert resolve_model_dir({"path": "HuggingFaceTB/SmolLM2-135M-Instruct"})[:2] == ("HuggingFaceTB/SmolLM2-135M-Instruct",) * 2
+
+
+def test_a_model_path_that_is_no_model_is_named(tmp_path, capsys):
+    """An empty folder got a 5-line transformers message about sentencepiece; a text file the same."""
+    from core.base_model import resolve_model_dir
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(FileNotFoundError, match="has no config.json: not a Hugging Face model folder"):
+        resolve_model_dir({"path": str(tmp_path / "empty")})
+    with pytest.raises(FileNotFoundError, match="is a file: give a Hugging Face model folder or a .gguf file"):
+        resolve_model_dir({"path": str(tmp_path / "notes.txt")})
