@@ -327,11 +327,17 @@ def refuse_different_cache(root: Path, cfg) -> None:
     """Refuse to write into a cache directory prepared under other cache-defining settings.
 
     Raises:
-        UserInputError: ``root/config.yaml`` exists and its ``model``/``data``/``prep``/``labels``
-            settings differ from ``cfg``'s (the differing keys are named; nothing is written).
+        UserInputError: ``root`` holds an evaluation's, a run's or a head's files; or ``root/config.yaml``
+            exists and its ``model``/``data``/``prep``/``labels`` settings differ from ``cfg``'s (the
+            differing keys are named; nothing is written).
     """
     from omegaconf import OmegaConf
 
+    foreign = [name for name in ("progress.jsonl", "report.json", "record.json", "model.safetensors", "checkpoints")
+               if (Path(root) / name).exists()]
+    if foreign:  # an evaluation's, a training run's or a head's folder: never a cache to write into
+        raise UserInputError(f"{root} is not a data-prep cache (it holds {', '.join(foreign)}); "
+                             "set prep.cache_dir to a new or cache folder")
     old_path = Path(root) / "config.yaml"
     if not old_path.is_file():
         return
@@ -405,6 +411,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
 
     # a prep.layers or data.max_length this base cannot serve costs neither the data's templating nor a model load
     layers = check_against_base(cfg, model.config if model is not None else load_base_config(cfg.model))
+    refuse_different_cache(root, cfg)  # nor does a cache folder of other settings
     if tokenizer is None:
         from core.base_model import load_tokenizer
 
@@ -423,7 +430,6 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     from data_prep.fp8 import is_fp8, storage_dtype
 
     dtype = storage_dtype(str(cfg.prep.dtype))  # fp8 on a torch without it: one line, nothing written
-    refuse_different_cache(root, cfg)  # before anything is written there
     root.mkdir(parents=True, exist_ok=True)
     save_config(cfg, root)
     S = int(cfg.prep.shard_size)

@@ -3,12 +3,13 @@ greedy regeneration, reader + collate."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from core.config import UserInputError, compose
+from core.config import UserInputError, compose, save_config
 from data_prep import cache as cache_mod
 from data_prep import pipeline
 from data_prep.cache import CacheReader, collate, default_cache_dir, rank_world
@@ -351,6 +352,25 @@ def test_settings_the_base_cannot_serve_are_refused_before_it_loads(tiny_model_d
     with pytest.raises(UserInputError, match=match):
         prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={cache}", setting), out=None)
     assert not cache.exists()
+
+
+def test_a_cache_dir_of_other_settings_or_no_cache_is_refused_before_the_base_loads(tiny_model_dir, data_file, tmp_path,
+                                                                                    monkeypatch):
+    import core.base_model
+    from data_prep.pipeline import prepare
+
+    monkeypatch.setattr(core.base_model, "load_base_model", lambda *a, **k: pytest.fail("the base was loaded"))
+    other = tmp_path / "other"
+    other.mkdir()
+    save_config(_cfg(tiny_model_dir, data_file, tmp_path, "data.heldout_fraction=0.5"), other)
+    with pytest.raises(UserInputError, match=r"prepared with other settings \(data.heldout_fraction: 0.5 -> 0.25\)"):
+        prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={other}"), out=None)
+    evaluation = tmp_path / "eval"
+    evaluation.mkdir()
+    (evaluation / "report.json").write_text("{}")
+    save_config(_cfg(tiny_model_dir, data_file, tmp_path), evaluation)
+    with pytest.raises(UserInputError, match=re.escape(f"{evaluation} is not a data-prep cache (it holds report.json)")):
+        prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={evaluation}"), out=None)
 
 
 def test_full_length_regeneration_equals_batch_1_greedy_and_counts_truncated_turns(tiny_base, data_file):
