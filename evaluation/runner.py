@@ -156,11 +156,16 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
 
         want = cfg.heads.get("type") if "heads" in cfg else None
         variants = [v for v in (cfg.eval.get("variants") or []) if hasattr(v, "get")]
-        for holder in variants or [cfg.eval]:  # a variant without its own checkpoint runs eval.checkpoint
+        for i, holder in enumerate(variants or [cfg.eval]):  # a variant without its own checkpoint runs eval.checkpoint
             ckpt = holder.get("checkpoint", cfg.eval.get("checkpoint"))
-            check_checkpoint_given(ckpt)
-            if str(ckpt) not in REFERENCE_DRAFTERS:
-                check_checkpoint_dir(str(ckpt), want)
+            try:
+                check_checkpoint_given(ckpt)
+                if str(ckpt) not in REFERENCE_DRAFTERS:
+                    check_checkpoint_dir(str(ckpt), want)
+            except (FileNotFoundError, ValueError) as exc:
+                if not variants:
+                    raise
+                raise type(exc)(f"eval.variants[{i}]: {exc}") from None
     if cfg.eval.get("output_dir"):  # results there that this run may not continue: refused before the base loads
         from evaluation.progress import absolute_paths, check_progress, progress_fingerprint
 

@@ -72,7 +72,7 @@ def test_a_checkpoint_that_is_not_one_is_named_before_the_base_loads(tmp_path, m
             read_checkpoint(path)
     bad = compose(rewrite_argv(["checkpoint=oracle", f"eval.output_dir={tmp_path / 'out'}",
                                 f"eval.variants=[{{name: a, checkpoint: {tmp_path / 'nope'}}}]"]))
-    with pytest.raises(FileNotFoundError, match="no such directory"):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"eval.variants[0]: checkpoint {tmp_path / 'nope'}: no such directory")):
         run_evaluation(bad)
     # another head's checkpoint (SGLang's silent EAGLE-for-EAGLE-3 mix-up, sgl-project/sglang#21272): named, no load
     from safetensors.torch import save_file
