@@ -114,14 +114,10 @@ class FalconHead(DraftHead):
 
     @staticmethod
     def check_config(cfg: dict[str, Any]) -> None:
-        """Validate a ``heads`` section (plain dict) at compose, before any base loads: the values
-        (:func:`check_falcon_config`) and the decoding tree; raises ValueError naming the key."""
-        merged = _merge(DEFAULTS, dict(cfg))
-        check_falcon_config(merged)
-        from decoding.falcon import FalconTreeTemplate
-
-        FalconTreeTemplate.from_config(merged["decoding"]["tree"], int(merged["block_size"]),
-                                       int(merged["decoding"]["passes"]))
+        """Validate a ``heads`` section (plain dict) at compose, before any base loads
+        (:func:`check_falcon_config`); raises ValueError naming the key.  The decoding tree is checked by
+        ``evaluation.config_checks`` (which names a malformed ``paths`` value) and when the head is built."""
+        check_falcon_config(_merge(DEFAULTS, dict(cfg)))
 
     def __init__(self, cfg: dict[str, Any], base_config) -> None:
         merged = _merge(DEFAULTS, dict(cfg))
