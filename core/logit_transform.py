@@ -38,7 +38,7 @@ class LogitTransform:
 
     @property
     def is_identity(self) -> bool:
-        """True when the map is z ↦ z (Llama, Qwen, Mistral...): callers skip it on the hot path."""
+        """True when the map is z ↦ z (Llama, Qwen, Mistral...); calling it then returns z itself."""
         return self.scale == 1.0 and self.softcap is None
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:

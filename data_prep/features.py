@@ -173,8 +173,7 @@ def teacher_forced(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     head, transform = model.get_output_embeddings(), logit_transform(model.config)
     picked, ok = [], []
     for j in range(0, flat.shape[0], head_chunk):
-        z = head(flat[j: j + head_chunk])
-        label, finite_row = greedy_labels(z if transform.is_identity else transform(z))  # the base's own logits
+        label, finite_row = greedy_labels(transform(head(flat[j: j + head_chunk])))  # the base's own logits
         picked.append(label)
         ok.append(finite_row)
     labels = torch.zeros(input_ids.shape, dtype=torch.long, device=input_ids.device)

@@ -155,7 +155,7 @@ class AdaDecodeDecoder:
         self.norm = inner.norm
         head_module, self.logit_map = base_model.get_output_embeddings(), logit_transform(base_model.config)
         # the base's logits of a post-norm hidden state: its LM head, then its own map (Gemma 2's soft-capping...)
-        self.lm_head = head_module if self.logit_map.is_identity else (lambda h: self.logit_map(head_module(h)))
+        self.lm_head = lambda h: self.logit_map(head_module(h))
         self.L = int(base_model.config.num_hidden_layers)
         self.exit_layers = list(head.layers)
         if gamma_schedule is not None:
@@ -199,8 +199,7 @@ class AdaDecodeDecoder:
     def head_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """z^(ℓ) = W·T_ℓ·norm(h) for h [..., H] (model dtype) -> [..., V], or [..., N] over the draft
         vocabulary (W = W[d2t], column i = base token ``d2t[i]``), under the base's logit map."""
-        z = (self.norm(h) @ self.transforms[layer].T) @ self.exit_weight.T
-        return z if self.logit_map.is_identity else self.logit_map(z)
+        return self.logit_map((self.norm(h) @ self.transforms[layer].T) @ self.exit_weight.T)
 
     def propose(self, layer: int, h: torch.Tensor, token: _Token) -> int | None:
         """The early-exit decision at candidate ``layer`` for the newest token (hidden h [H]):

@@ -138,8 +138,7 @@ def packed_loader(load: Callable[[str], Any], ev) -> Callable[[str], Any]:
     leaves the references unpacked too; ``true`` packs them where ``auto`` would (a reference dtype
     that cannot be packed is timed as it is, not refused).
     """
-    from decoding.prepacked import prepack_mode
-    from evaluation.methods import prepacked_products
+    from decoding.prepacked import pack_for_decoding, prepack_mode
 
     mode = "false" if prepack_mode(ev.get("prepack_weights", "auto")) == "false" else "auto"
     cache: dict[str, Any] = {}
@@ -147,7 +146,7 @@ def packed_loader(load: Callable[[str], Any], ev) -> Callable[[str], Any]:
     def packed(dtype: str):
         if dtype not in cache:
             cache[dtype] = load(dtype)
-            prepacked_products(cache[dtype], {"prepack_weights": mode})
+            pack_for_decoding(cache[dtype], mode)
         return cache[dtype]
 
     return packed

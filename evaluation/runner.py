@@ -166,12 +166,12 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
                 if not variants:
                     raise
                 raise type(exc)(f"eval.variants[{i}]: {exc}") from None
-    if cfg.eval.get("output_dir"):  # results there that this run may not continue: refused before the base loads
+    progress_file = Path(str(cfg.eval.output_dir)) / "progress.jsonl" if cfg.eval.get("output_dir") else None
+    if progress_file is not None and progress_file.is_file():  # results this run may not continue: before the base loads
         from evaluation.progress import absolute_paths, check_progress, progress_fingerprint
 
         full = absolute_paths(cfg)
-        check_progress(Path(str(full.eval.output_dir)) / "progress.jsonl", progress_fingerprint(full),
-                       full.get("resume"), config=full)
+        check_progress(progress_file, progress_fingerprint(full), full.get("resume"), config=full)
     state: dict[str, Any] = {}
     try:
         return _evaluate(cfg, base, decoder, state)
@@ -232,18 +232,19 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
         raise ValueError("run_evaluation(decoder=...) takes no eval.variants")
     # a prompt file is read (and refused, by line) before the base loads
     records = read_jsonl_records(ev.prompts, ev.get("prompt_field")) if ev.get("prompts") else None
+    from core.base_model import load_base_model, load_base_model_as, load_tokenizer
+
     if base is None:
-        from core.base_model import load_base_model, load_tokenizer
         from core.precision import resolve_dtype
 
         resolve_dtype(ev.dtype, "eval.dtype", device, auto_ok=False)  # bf16 without bf16 instructions: named
-        # the prompts too, with the tokenizer alone: no usable prompt (eval.prompt_offset past the set...) costs no model load
-        prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, load_tokenizer(cfg.model), records)
+    # the prompts too, with the tokenizer alone: no usable prompt (eval.prompt_offset past the set...) costs no model load
+    prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {},
+                                    load_tokenizer(cfg.model) if base is None else base[1], records)
+    if base is None:
         model_cfg = to_container(cfg.model)
         model_cfg["dtype"] = ev.dtype
         base = load_base_model(model_cfg)
-    else:
-        prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {}, base[1], records)
     model, tokenizer, identity = base
     model.to(device)
     # fp32 on a CPU: many-row products without per-call weight packing; bf16 on an AMX CPU: every product packed,
@@ -298,8 +299,6 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     probe_owners = [j for j, m in enumerate(methods) if "probe_decoder" in m[3]]
     decoders = [m[2] for m in methods] + [methods[j][3].pop("probe_decoder") for j in probe_owners]
     probes = ProbeTallies(probe_owners, len(methods))
-    from core.base_model import load_base_model_as
-
     # bf16 / fp16 greedy: every divergence from vanilla (methods and probes) is accounted for (near tie or real
     # error), against a plain fp32 copy loaded at the first divergence; the vanilla references are packed
     accountant = Accountant.for_run(cfg, model, tokenizer, decoders)

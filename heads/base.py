@@ -124,11 +124,7 @@ class DraftHead(nn.Module):
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Frozen LM head: h [..., H] -> logits [..., V] (in h's dtype), the base's logits of a final
         (post-norm) hidden state: W h under the base's :attr:`logit_transform`."""
-        return self._logits(h @ self.lm_head_weight.to(h.dtype).T)
-
-    def _logits(self, z: torch.Tensor) -> torch.Tensor:
-        t = self.logit_transform
-        return z if t.is_identity else t(z)
+        return self.logit_transform(h @ self.lm_head_weight.to(h.dtype).T)
 
     # -- draft vocabulary (heads.draft_vocab; FR-Spec / EAGLE-3 d2t) ---------------------------
     def _init_draft_vocab(self) -> None:
@@ -243,7 +239,7 @@ class DraftHead(nn.Module):
         (:class:`core.frozen_linear.FrozenLinear`), which decoding may prepack for oneDNN like the base's
         layers (:func:`evaluation.methods.pack_like_base`).
         """
-        return self._logits(self.frozen_draft_lm_head(h))
+        return self.logit_transform(self.frozen_draft_lm_head(h))
 
     def to_draft_ids(self, base_ids: torch.Tensor) -> torch.Tensor:
         """Base ids [...] (long) → draft indices [...] (−1 outside the draft vocabulary); identity if full."""

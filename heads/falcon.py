@@ -170,7 +170,7 @@ class FalconHead(DraftHead):
         h [..., H] → logits [..., N] float32 (N = ``draft_vocab_size``, or V; column i scores base token
         ``d2t[i]``)."""
         with torch.autocast(device_type=h.device.type, enabled=False):
-            return self._logits(h.float() @ self.draft_lm_head_rows.float().T)
+            return self.logit_transform(h.float() @ self.draft_lm_head_rows.float().T)
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor, cache=None) -> torch.Tensor:
