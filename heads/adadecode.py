@@ -147,6 +147,11 @@ class AdaDecodeHead(DraftHead):
         """The candidate exit layers: their hs[ℓ] must be in the cache (``prep.layers``)."""
         return list(self.layers)
 
+    @classmethod
+    def cache_layers_for(cls, cfg: dict[str, Any], num_layers: int) -> list[int]:
+        """``heads.layers`` (default [8, 15, 22]); the base's depth does not change them."""
+        return [int(x) for x in {**DEFAULTS, **dict(cfg)}["layers"]]
+
     def _per_layer(self, value, default: float) -> dict[int, float]:
         if value is None:
             return {layer: float(default) for layer in self.layers}

@@ -90,6 +90,13 @@ class DraftHead(nn.Module):
         by data prep with ``prep.layers``); the final state is always cached.  Default: none."""
         return []
 
+    @classmethod
+    def cache_layers_for(cls, cfg: dict[str, Any], num_layers: int) -> list[int]:
+        """:attr:`required_cache_layers` of the head a ``heads`` section would build over a base of
+        ``num_layers`` decoder layers, without building it: for a check before the base's weights load
+        (``train.run.check_cache_layers_early``).  Default: none."""
+        return []
+
     def __init__(self, cfg: dict[str, Any], base_config) -> None:
         super().__init__()
         self.cfg = dict(cfg)

@@ -334,6 +334,12 @@ class Eagle3Head(DraftHead):
         """hs[ℓ] for the three feature layers (``prep.layers``)."""
         return list(self.layers)
 
+    @classmethod
+    def cache_layers_for(cls, cfg: dict[str, Any], num_layers: int) -> list[int]:
+        """``heads.layers``, or :func:`default_layers` of the base's ``num_layers`` when null."""
+        layers = _merge(DEFAULTS, dict(cfg))["layers"]
+        return [int(x) for x in layers] if layers is not None else default_layers(int(num_layers))
+
     @property
     def feature_layers(self) -> list[int]:
         """The hs ids the decoding runtime must hand the drafter, concatenated in this order."""

@@ -84,7 +84,7 @@ def test_cache_without_the_head_layers_fails_before_training(varied_base, tmp_pa
     cfg = compose([f"model.path={model_dir}", "heads=adadecode", "heads.layers=[1,2]", f"output_root={tmp_path}",
                    f"train.cache_dir={cache}", "train.logger=csv", "train.run_name=t", "train.accelerator=cpu",
                    "train.devices=1", "train.max_steps=2"])
-    with pytest.raises(UserInputError, match=r"reads hidden states hs\[2\] but cache split .*train holds layers \[1\]; "
+    with pytest.raises(UserInputError, match=r"reads hidden states hs\[2\] but cache \S+ holds layers \[1\]; "
                                              r"prepare a cache with prep.layers=\[1,2\] "
                                              r"\(python -m data_prep prep.layers=\[1,2\] \.\.\.\)"):
         train(cfg, base=base)  # the suggested override is one shell word, pasteable as printed

@@ -324,3 +324,49 @@ def test_a_train_cache_dir_that_is_no_cache_is_named_before_the_base_loads(tiny_
     what = "no such folder" if kind == "missing" else "no train/manifest.json there (not a data-prep cache)"
     assert exc.value.code == 2 and msg.startswith(f"error: train.cache_dir={str(cache)!r}: {what}; pass the folder")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("head,keys,need", [
+    ("eagle3", [], [2, 4, 5]),                       # EAGLE-3's default [2, L//2, L-3] of an 8-layer base
+    ("eagle3", ["heads.layers=[1,3,6]"], [1, 3, 6]),
+    ("adadecode", ["heads.layers=[1,2]"], [1, 2]),
+])
+def test_a_cache_without_the_heads_layers_is_refused_before_the_base_loads(tmp_path, capsys, monkeypatch, head, keys,
+                                                                          need):
+    """Before, the base's weights loaded (minutes for a real base) and the head was built before the
+    cache's layers were compared with the ones the head reads."""
+    import re
+
+    import core.base_model
+    from core.tiny import save_tiny_model
+    from data_prep.synthetic import write_random_cache
+    from train.run import main
+
+    model_dir = save_tiny_model(tmp_path / "base8", seed=0, num_hidden_layers=8)
+    cache = write_random_cache(tmp_path / "cache", model_dir, n_train=2, n_val=1, layers=[1])
+    monkeypatch.setattr(core.base_model, "load_base_model", lambda *a, **k: pytest.fail("the base was loaded"))
+    with pytest.raises(SystemExit) as exc:
+        main([f"model.path={model_dir}", f"output_root={tmp_path}", f"heads={head}", *keys, f"train.cache_dir={cache}",
+              "train.accelerator=cpu", "train.devices=1", "train.run_name=r"])
+    msg = capsys.readouterr().err.strip().splitlines()[-1]
+    missing = [l for l in need if l != 1]
+    flat = ",".join(map(str, need))
+    assert exc.value.code == 2, msg
+    assert re.fullmatch(rf"error: the {head} head reads hidden states hs\[{', '.join(map(str, missing))}\] but cache "
+                        rf"{re.escape(str(cache))} holds layers \[1\]; prepare a cache with prep.layers=\[{flat}\] "
+                        rf"\(python -m data_prep prep.layers=\[{flat}\] \.\.\.\)", msg), msg
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_cache_with_the_heads_layers_passes_the_early_check(tmp_path):
+    """The early check reads the base's depth from its config and lets a cache holding the layers through."""
+    from core.config import compose
+    from core.tiny import save_tiny_model
+    from data_prep.synthetic import write_random_cache
+    from train.run import check_cache_layers_early
+
+    model_dir = save_tiny_model(tmp_path / "base8", seed=0, num_hidden_layers=8)
+    cfg = compose([f"model.path={model_dir}", "heads=eagle3"])
+    check_cache_layers_early(cfg, [2, 4, 5], tmp_path)     # the defaults of an 8-layer base: held
+    with pytest.raises(Exception, match=r"hs\[5\]"):
+        check_cache_layers_early(cfg, [2, 4, 6], tmp_path)

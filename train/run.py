@@ -398,6 +398,8 @@ def resolve_run_precision(cfg: DictConfig, resumed_run: Path | None, online: boo
         cache_dir = Path(cfg.train.cache_dir) if cfg.train.get("cache_dir") else default_cache_dir(cfg)
         check_cache_exists(cfg, cache_dir)  # before the base loads
         cache_def = cache_features(cache_dir)
+        if cache_def is not None:
+            check_cache_layers_early(cfg, cache_def.layers, cache_dir)
         if cache_def is not None and cache_def.compute_dtype is not None:
             if dtype == "auto":
                 dtype = cache_def.compute_dtype
@@ -474,14 +476,49 @@ def check_reader_layers(head, reader, split: str = "split") -> None:
     """
     need = [int(l) for l in getattr(head, "required_cache_layers", [])]
     manifest = getattr(reader, "manifest", None)
-    if not need or manifest is None:
+    if need and manifest is not None:
+        check_layers_held(head.head_type, need, manifest.get("layers", []),
+                          f"cache split {getattr(reader, 'directory', split)}")
+
+
+def check_cache_layers_early(cfg: DictConfig, cache_layers, cache_dir: Path) -> None:
+    """:func:`check_cache_layers` before the base's weights load: the layers the ``heads`` section
+    would read (``cache_layers_for`` of its class, over the base's depth from its config alone,
+    :func:`core.base_model.load_base_config`) against the cache's recorded ``prep.layers``.
+    An unknown head type is left to the head's build, which names the registered ones.
+
+    Raises:
+        UserInputError: the cache lacks one of those layers, or ``heads.layers`` is not valid for
+            the base's depth (the message names the key).
+    """
+    from heads.base import DraftHead
+    from heads.registry import head_class
+
+    try:
+        cls = head_class(str(cfg.heads.type))
+    except KeyError:
         return
-    have = [int(l) for l in manifest.get("layers", [])]
+    if cls.cache_layers_for.__func__ is DraftHead.cache_layers_for.__func__:
+        return  # reads the final state only: nothing to check, no config to read
+    from core.base_model import load_base_config
+
+    num_layers = int(load_base_config(cfg.model).num_hidden_layers)
+    try:
+        need = cls.cache_layers_for(OmegaConf.to_container(cfg.heads, resolve=True), num_layers)
+    except ValueError as exc:
+        raise UserInputError(str(exc)) from exc
+    check_layers_held(cls.head_type, need, cache_layers or [], f"cache {cache_dir}")
+
+
+def check_layers_held(head_type: str, need, have, where: str) -> None:
+    """Raise :class:`UserInputError` when ``have`` (a cache's layers) lacks one of ``need`` (a head's),
+    naming ``where`` and the data-prep override that writes them."""
+    need, have = [int(l) for l in need], [int(l) for l in have]
     missing = [l for l in need if l not in have]
     if missing:
-        raise UserInputError(f"the {head.head_type} head reads hidden states hs{missing} but cache split "
-                             f"{getattr(reader, 'directory', split)} holds layers {have}; prepare a cache with "
-                             f"{override('prep.layers', need)} (python -m data_prep {override('prep.layers', need)} ...)")
+        raise UserInputError(f"the {head_type} head reads hidden states hs{missing} but {where} holds layers "
+                             f"{have}; prepare a cache with {override('prep.layers', need)} "
+                             f"(python -m data_prep {override('prep.layers', need)} ...)")
 
 
 def refuse_existing_run(run_dir: Path) -> None:
