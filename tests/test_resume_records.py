@@ -370,3 +370,30 @@ def test_a_cache_with_the_heads_layers_passes_the_early_check(tmp_path):
     check_cache_layers_early(cfg, [2, 4, 5], tmp_path)     # the defaults of an 8-layer base: held
     with pytest.raises(Exception, match=r"hs\[5\]"):
         check_cache_layers_early(cfg, [2, 4, 6], tmp_path)
+
+
+@pytest.mark.parametrize("devices,cores,said", [(3, 2, True), ([0, 1, 2], 2, True), (2, 2, False), (-1, 2, False),
+                                                (1, 1, False)])
+def test_more_cpu_processes_than_cores_are_named(devices, cores, said):
+    """``train.devices=3`` on 2 cores started 3 DDP processes without a word (a new user's trial)."""
+    from train.strategies import cpu_oversubscription
+
+    line = cpu_oversubscription(devices, cores=cores)
+    assert (line is not None) == said
+    if said:
+        assert line == (f"train.devices=3 starts 3 CPU training processes on {cores} cores: they take turns on the "
+                        f"cores (1 intra-op thread each); train.devices={cores} uses each core once")
+
+
+def test_trainer_kwargs_say_the_cpu_oversubscription_once(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import os
+
+    from core.config import compose
+    from train.strategies import trainer_kwargs
+
+    cores = len(os.sched_getaffinity(0))
+    cfg = compose([f"model.path={tiny_model_dir}", f"output_root={tmp_path}", "train.accelerator=cpu",
+                   f"train.devices={cores + 1}"])
+    assert trainer_kwargs(cfg)["devices"] == cores + 1
+    err = capsys.readouterr().err
+    assert err.count(f"draftheads: train.devices={cores + 1} starts {cores + 1} CPU training processes") == 1, err

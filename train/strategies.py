@@ -411,6 +411,19 @@ def build_strategy(cfg: Any):
     raise ValueError(f"strategy.name={name!r}; choices: {', '.join(STRATEGY_NAMES)}")
 
 
+def cpu_oversubscription(devices: int | list[int], cores: int | None = None) -> str | None:
+    """The note owed when ``train.devices`` CPU processes outnumber the cores this process may run
+    on (``os.sched_getaffinity``), else None.  Lightning's launchers give each process
+    ``max(1, cores // processes)`` intra-op threads, so past ``cores`` processes they only take
+    turns on the same cores; ``-1`` (one process per core) never oversubscribes."""
+    n = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
+    cores = int(cores or len(os.sched_getaffinity(0)))
+    if n <= cores:
+        return None
+    return (f"train.devices={n} starts {n} CPU training processes on {cores} cores: they take turns on the "
+            f"cores (1 intra-op thread each); train.devices={cores} uses each core once")
+
+
 def trainer_kwargs(cfg: Any) -> dict[str, Any]:
     """``lightning.pytorch.Trainer`` keyword arguments for the distributed set-up.
 
@@ -425,10 +438,18 @@ def trainer_kwargs(cfg: Any) -> dict[str, Any]:
     clip_value, clip_algorithm = _grad_clip(cfg)
     if isinstance(strategy, ZeroStrategy) and clip_algorithm == "value":
         clip_value, clip_algorithm = None, None
+    devices = resolve_devices(cfg.train.devices, accelerator, num_nodes)
+    if accelerator == "cpu" and (line := cpu_oversubscription(devices)):
+        from lightning.pytorch.utilities import rank_zero_only
+
+        from core.precision import note
+
+        if rank_zero_only.rank == 0:
+            note(line)
     return {
         "strategy": strategy,
         "accelerator": accelerator,
-        "devices": resolve_devices(cfg.train.devices, accelerator, num_nodes),
+        "devices": devices,
         "num_nodes": num_nodes,
         "precision": resolve_precision(str(cfg.train.precision), accelerator),
         "gradient_clip_val": clip_value,
