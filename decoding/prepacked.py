@@ -48,6 +48,7 @@ is repacked at its next packed product.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import statistics
@@ -381,6 +382,23 @@ def restore_linear_weights(model: torch.nn.Module) -> None:
             delattr(mod, _PACKED)
             if getattr(mod, ROW_CONSISTENT, False):
                 delattr(mod, ROW_CONSISTENT)
+
+
+@contextlib.contextmanager
+def plain_products(model: torch.nn.Module):
+    """Inside the block every linear product of ``model`` runs ``F.linear`` on its original weights, as if
+    nothing were packed; the packed weights stay for after it.  One copy of a base can then be both a
+    packed vanilla reference (timed) and the plain fp32 base whose logits judge a bf16 divergence
+    (:class:`evaluation.divergence.Accountant`), instead of two copies in memory."""
+    states = [getattr(m, _PACKED) for m in model.modules() if getattr(m, _PACKED, None) is not None]
+    saved = [s.min_rows for s in states]
+    for s in states:
+        s.min_rows = float("inf")
+    try:
+        yield model
+    finally:
+        for s, rows in zip(states, saved):
+            s.min_rows = rows
 
 
 def prepacked_min_rows(model: torch.nn.Module) -> int | str | None:

@@ -132,8 +132,8 @@ class Accountant:
 
     Args:
         model: the evaluation's base (bf16 / fp16).
-        load_fp32: returns an fp32 copy of the base on the same device; called once, at the first
-            divergence.
+        load_fp32: returns an fp32 copy of the base on the same device (packed or not); called once,
+            at the first divergence.
         tokenizer: optional, to print the two tokens.
         tie_ulps: c of the rule.
     """
@@ -144,34 +144,29 @@ class Accountant:
         self._fp32 = None
 
     @classmethod
-    def for_run(cls, cfg, model, tokenizer, decoders, load: Callable[[], Any] | None = None) -> "Accountant | None":
+    def for_run(cls, cfg, model, tokenizer, decoders, load: Callable[[], Any]) -> "Accountant | None":
         """The accountant of a greedy evaluation whose base is not fp32 (None otherwise: fp32 parity
-        is exact).  Turns on ``trace_logits`` of every decoder that has it, and loads the fp32
-        copy from ``cfg.model`` with ``dtype=float32`` when first needed (or calls ``load``, which
-        returns it)."""
+        is exact).  Turns on ``trace_logits`` of every decoder that has it; ``load`` returns the
+        base's fp32 copy, called at the first divergence (the evaluation shares it with its fp32
+        vanilla reference: :func:`fp32_logits` computes with its plain products)."""
         if model.dtype == torch.float32 or float(cfg.eval.get("temperature") or 0.0) > 0:
             return None
         for d in decoders:
             if hasattr(d, "trace_logits"):
                 d.trace_logits = True
-        dev = next(model.parameters()).device
-
-        def load_fp32():
-            from core.base_model import load_base_model_as
-
-            log.info("a divergence from %s vanilla decoding: loading an fp32 copy of the base for its margin",
-                     str(model.dtype).replace("torch.", ""))
-            return load_base_model_as(cfg.model, "float32", dev)
-
-        return cls(model, load or load_fp32, tokenizer)
+        return cls(model, load, tokenizer)
 
     def fp32_logits(self, prefix: torch.Tensor) -> torch.Tensor:
         """fp32 logits [V] after ``prefix`` [T'] (one forward of the fp32 copy)."""
         if self._fp32 is None:
+            log.info("a divergence from %s vanilla decoding: the base's fp32 copy judges its margin",
+                     str(self.dtype).replace("torch.", ""))
             self._fp32 = self.load_fp32()
+        from decoding.prepacked import plain_products
         from decoding.verify import base_forward, new_cache
 
-        logits, _ = base_forward(self._fp32, prefix, new_cache(self._fp32), logits_to_keep=1)
+        with plain_products(self._fp32):  # the copy may be the packed fp32 vanilla reference's
+            logits, _ = base_forward(self._fp32, prefix, new_cache(self._fp32), logits_to_keep=1)
         return logits[-1]
 
     def _text(self, tok: int | None) -> str | None:

@@ -17,6 +17,7 @@ interrupted run resumes.  Outputs in the run directory: ``config.yaml`` (resolve
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from datetime import datetime, timezone
@@ -301,10 +302,13 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     probes = ProbeTallies(probe_owners, len(methods))
     # bf16 / fp16 greedy: every divergence from vanilla (methods and probes) is accounted for (near tie or real
     # error), against a plain fp32 copy loaded at the first divergence; the vanilla references are packed
-    accountant = Accountant.for_run(cfg, model, tokenizer, decoders)
+    # one copy of the base per other dtype: the fp32 one is both a (packed) vanilla reference and, through
+    # decoding.prepacked.plain_products, the accountant's plain fp32 base
+    load_as = functools.cache(lambda dtype: load_base_model_as(cfg.model, dtype, device))
+    accountant = Accountant.for_run(cfg, model, tokenizer, decoders, load=lambda: load_as("float32"))
     # the speed headline is against the fastest vanilla on this machine (eval.fastest_vanilla)
-    refs = build_references(reference_labels(ev, model, device, row_padded), model,
-                            packed_loader(lambda dtype: load_base_model_as(cfg.model, dtype, device), ev), eos_ids)
+    refs = build_references(reference_labels(ev, model, device, row_padded), model, packed_loader(load_as, ev),
+                            eos_ids)
     ref_tally: dict[str, dict[str, float]] = {label: {"tokens": 0, "seconds": 0.0, "prompts": 0} for label in refs}
     out_dir = Path(str(ev.output_dir)) if ev.get("output_dir") else default_output_dir(cfg, methods[0][3])
     out_dir.mkdir(parents=True, exist_ok=True)

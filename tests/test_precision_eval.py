@@ -490,3 +490,27 @@ def test_references_share_the_weights_and_restore_the_attention(tiny_model_dir):
             assert model_attention(model) == "sdpa"
             raise RuntimeError("a decoder failed")
     assert model_attention(model) == "eager"
+
+
+def test_a_bf16_run_loads_one_fp32_copy_for_its_reference_and_its_accountant(tmp_path, monkeypatch):
+    """The fp32 vanilla reference (packed, timed) and the near-tie accountant (plain fp32 logits) used to
+    load two fp32 copies of the base: for an 8B base, 64 GB.  Now one, and the margin is the plain one."""
+    import core.base_model
+
+    torch.set_num_threads(1)
+    cfg = _cfg(tmp_path / "tiny_tie", tmp_path, "checkpoint=oracle", "eval.reference_depth=3",
+               "eval.fastest_vanilla=[float32]")
+    model_dir, model, tok, ident, a, b, h, prompt = _planted_near_tie(tmp_path, cfg)
+    loads = []
+    real = core.base_model.load_base_model_as
+    monkeypatch.setattr(core.base_model, "load_base_model_as",
+                        lambda model_cfg, dtype, *a_, **k: loads.append(dtype) or real(model_cfg, dtype, *a_, **k))
+    rep = run_evaluation(cfg, base=(model, tok, ident))
+    assert loads == ["float32"]
+    assert set(rep["fastest_vanilla"]["candidates"]) == {"bfloat16", "float32"}
+    div = rep["parity"]["accounting"]["divergences"][0]
+    van, _ = greedy_generate(model, prompt, 2, [])
+    m32 = load_base_model({"path": str(model_dir), "dtype": "float32", "attn_implementation": "eager"})[0]
+    with torch.no_grad():
+        z32 = m32(input_ids=torch.cat([prompt, torch.tensor([van[0]])])[None]).logits[0, -1]
+    assert div["fp32"]["delta"] == float(z32[a] - z32[b])  # plain products, bit for bit

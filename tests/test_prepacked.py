@@ -440,3 +440,29 @@ def test_vanilla_references_are_packed_as_the_evaluation_packs_its_base():
     assert greedy_generate(ref, ids, 12)[0] == greedy_generate(load("float32"), ids, 12)[0]
     off = packed_loader(load, compose(rewrite_argv(["eval.prepack_weights=false"])).eval)("float32")
     assert not any(hasattr(lin, prepacked._PACKED) for lin in _linears(off))
+
+
+def test_plain_products_run_f_linear_inside_the_block_only(model):
+    """One fp32 copy serves as the packed vanilla reference and as the accountant's plain fp32 base:
+    inside ``plain_products`` its logits equal an unpacked copy's bit for bit; after it the packed
+    weights are used again."""
+    import copy
+
+    plain = copy.deepcopy(model)
+    prepacked.prepack_linear_weights(model)
+    ids = _prompt(3, 12)[None]
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+        with prepacked.plain_products(model):
+            got = model(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    assert torch.equal(got, want)
+    lin = _linears(model)[0]  # the packed path is back: a planted packed weight changes a many-row product
+    state = getattr(lin, prepacked._PACKED)
+    assert state.min_rows == prepacked.MIN_ROWS
+    state.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(lin.weight))
+    x = torch.randn(4, lin.in_features)
+    assert torch.count_nonzero(lin(x)) == 0
+    with prepacked.plain_products(model):
+        assert torch.count_nonzero(lin(x)) > 0
+    torch.testing.assert_close(after, want, rtol=1e-4, atol=1e-4)
