@@ -323,6 +323,62 @@ def shard_records(records: Sequence[TemplatedConversation], shard_size: int, by_
     return [[rec for group in groups[k:k + shard_size] for rec in group] for k in range(0, len(groups), shard_size)]
 
 
+def shard_inputs_sha256(convs: Sequence[TemplatedConversation]) -> str:
+    """SHA-256 of what one shard is made from: its records' ids, templated token ids and loss masks, and
+    the source messages regeneration renders from.  An edited data file, chat template or tokenizer
+    shows in it, though the cache-defining settings (:func:`data_prep.cache.cache_hash`) are the same."""
+    import hashlib
+    import json
+
+    from data_prep.template import flatten
+
+    h = hashlib.sha256()
+    for c in convs:
+        ids, mask = flatten(c.segments)
+        h.update(json.dumps([c.id, ids, mask, c.messages], ensure_ascii=False, sort_keys=True).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def check_finished_shards(root: Path, todo, finished: Sequence[bool], base: dict[str, Any]) -> None:
+    """Refuse to resume a cache whose finished shards were made from other inputs than this run's.
+
+    A resumed data prep keeps every finished shard and writes the rest, and the manifest then records
+    this run's base: shards of another base's weights, or of an edited data file, chat template or
+    tokenizer, would enter the cache under the new identity.  Each shard's sidecar records its
+    ``inputs_sha256`` (:func:`shard_inputs_sha256`) and its ``base`` (the identity fields of
+    :data:`core.base_model.IDENTITY_FIELDS`); a sidecar written before they were recorded is not compared.
+
+    Args:
+        root: the cache directory; todo: ``(split, index, convs)`` of this rank; finished: whether each is
+            on disk (:func:`data_prep.cache.finished_entry`); base: the loaded base's identity dict.
+
+    Raises:
+        UserInputError: naming the first such shard and what differs; nothing is written.
+    """
+    import json
+
+    from core.base_model import IDENTITY_FIELDS
+
+    for (split, k, convs), done in zip(todo, finished):
+        if not done:
+            continue
+        side = root / split / f"{cache_mod.shard_name(k)}.json"
+        entry = json.loads(side.read_text())
+        fix = (f"prepare into another prep.cache_dir, or delete {root} to rebuild it; its finished shards are "
+               "kept only for the inputs they were made from")
+        recorded = entry.get("base") or {}
+        diffs = [f"{f}: {recorded[f]} -> {base[f]}" for f in IDENTITY_FIELDS
+                 if recorded.get(f) is not None and base.get(f) is not None and str(recorded[f]) != str(base[f])]
+        if diffs:
+            raise UserInputError(f"cache shard {side.with_suffix('.safetensors')} was made by another base model than "
+                                 f"the one loaded ({'; '.join(diffs)}): {fix}")
+        if entry.get("inputs_sha256") not in (None, shard_inputs_sha256(convs)):
+            raise UserInputError(f"cache shard {side.with_suffix('.safetensors')} was made from other conversations "
+                                 "or another templating than this run's (the data file, the chat template or the "
+                                 f"tokenizer changed under the same settings): {fix}")
+
+
 def refuse_different_cache(root: Path, cfg) -> None:
     """Refuse to write into a cache directory prepared under other cache-defining settings.
 
@@ -427,6 +483,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
                            f"base's {sorted(end_of_turn_ids(tokenizer, model))}: the records would end turns with "
                            "other tokens than inference; please report this model folder")
     L = int(model.config.num_hidden_layers)
+    from core.base_model import IDENTITY_FIELDS
     from data_prep.fp8 import is_fp8, storage_dtype
 
     dtype = storage_dtype(str(cfg.prep.dtype))  # fp8 on a torch without it: one line, nothing written
@@ -468,6 +525,8 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         return sum(sum(len(s.ids) for s in c.segments) for c in convs)
 
     finished = [cache_mod.finished_entry(root / split, k, chash) is not None for split, k, _ in todo]
+    base = identity.to_dict() if hasattr(identity, "to_dict") else dict(identity or {})
+    check_finished_shards(root, todo, finished, base)
     progress = _Progress(sum(size(cs) for _, _, cs in todo), sum(size(cs) for (_, _, cs), f in zip(todo, finished) if f),
                          regen, bool(cfg.prep.progress), rank)
     initial, written = progress.bar.n, 0  # the bar's work: shards on disk, then those written here
@@ -500,7 +559,9 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
                     tensors.update({k.replace("hidden", "hidden_scale", 1): torch.zeros(0) for k in list(tensors)
                                     if "hidden" in k})
             cache_mod.write_shard(directory, k, tensors, [r["id"] for r in records],
-                                  {"config_hash": chash, "dropped": dict(sorted(dropped.items())),
+                                  {"config_hash": chash, "inputs_sha256": shard_inputs_sha256(convs),
+                                   "base": {f: base.get(f) for f in IDENTITY_FIELDS},
+                                   "dropped": dict(sorted(dropped.items())),
                                    **({"drop_examples": dict(sorted(examples.items()))} if examples else {})})
             written += size(convs)
             progress.shard_done(initial + written)

@@ -480,3 +480,62 @@ def test_a_tokenizer_without_pad_or_eos_pads_with_the_bases_end_of_turn_id(tmp_p
     assert CacheReader(tmp_path / "c" / "train").manifest["pad_id"] == 2
     with pytest.raises(UserInputError, match="no pad or eos token .* set the tokenizer's pad_token"):
         pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None), set())
+
+
+@pytest.mark.parametrize("change", ["weights", "data", "template"])
+def test_a_cache_is_not_resumed_over_inputs_that_changed_under_the_same_settings(tmp_path, change):
+    """A resumed data prep kept the finished shards of the old weights (or of an edited data file or chat
+    template) and stamped the new base's identity into the manifest: training then passed its base check
+    on hidden states of other weights.  Now the resume is refused, naming the shard, and nothing changes."""
+    import shutil
+
+    from core.config import UserInputError
+    from core.tiny import save_tiny_model
+    from data_prep.pipeline import prepare
+
+    model_dir = save_tiny_model(tmp_path / "base", seed=0)
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(_conversations(13)))
+    cache = tmp_path / "cache"
+    cfg = _cfg(model_dir, data, tmp_path, f"prep.cache_dir={cache}")
+    prepare(cfg, out=None)
+    # an interruption: the last shards and the manifests are gone, the first ones stay
+    for split in ("train", "val"):
+        (cache / split / "manifest.json").unlink()
+    last = sorted((cache / "train").glob("shard-*.json"))[-1]
+    last.unlink()
+    before = _files(cache)
+    if change == "weights":
+        other = save_tiny_model(tmp_path / "other", seed=5)
+        shutil.copy(other / "model.safetensors", model_dir / "model.safetensors")
+        match = r"cache shard .*shard-00000.safetensors was made by another base model than the one loaded \(weights_sha256: "
+    elif change == "data":
+        convs = _conversations(13)
+        convs[0]["conversations"][1]["value"] = "an edited reply"
+        data.write_text(json.dumps(convs))
+        match = r"was made from other conversations or another templating than this run's \(the data file, "
+    else:
+        tpl = model_dir / "tokenizer_config.json"
+        conf = json.loads(tpl.read_text())
+        if "chat_template" in conf:
+            conf["chat_template"] = conf["chat_template"].replace("<|im_start|>", "<|im_start|> ")
+            tpl.write_text(json.dumps(conf))
+        else:
+            jinja = model_dir / "chat_template.jinja"
+            jinja.write_text(jinja.read_text().replace("<|im_start|>", "<|im_start|> "))
+        match = r"was made from other conversations or another templating"
+    with pytest.raises(UserInputError, match=match):
+        prepare(cfg, out=None)
+    assert _files(cache) == before
+
+
+def test_shards_record_their_inputs_and_base(tiny_base, tiny_model_dir, data_file, tmp_path):
+    from core.base_model import IDENTITY_FIELDS
+    from data_prep.pipeline import prepare
+
+    cache = tmp_path / "cache"
+    prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={cache}"), *tiny_base, out=None)
+    side = json.loads((cache / "train" / "shard-00000.json").read_text())
+    assert len(side["inputs_sha256"]) == 64
+    assert side["base"] == {f: tiny_base[2].to_dict()[f] for f in IDENTITY_FIELDS}
+    prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={cache}"), *tiny_base, out=None)  # resumes
