@@ -20,6 +20,26 @@ from core.io import atomic_write_text
 from decoding.reference import REFERENCE_DRAFTERS
 
 
+class ResultsMismatch(ValueError):
+    """``progress.jsonl`` holds a result decoded for another prompt than this run's under the same id: the
+    prompt file changed.  Raised before that prompt is decoded; the evaluation then writes nothing (its
+    report, summaries and plots stay those of the results on disk)."""
+
+
+def check_prompts_unchanged(path: Path, records: dict[str, dict[str, Any]], prompts) -> None:
+    """Refuse a resume whose prompts (``.id``, ``.input_ids``) differ from those ``records`` (by id) were
+    decoded for; later turns, built from earlier answers, are checked as they are reached.
+
+    Raises:
+        ResultsMismatch: naming the first such prompt.
+    """
+    for p in prompts:
+        rec = records.get(p.id)
+        if rec is not None and rec.get("prompt_sha256") != prompt_digest(p.input_ids):
+            raise ResultsMismatch(f"{path}: prompt {p.id!r} is not the prompt these results were decoded for (the "
+                                  "prompt file changed); evaluate into another eval.output_dir")
+
+
 def prompt_digest(input_ids: torch.Tensor) -> str:
     """SHA-256 of a templated prompt's token ids (ties a stored result to the exact prompt)."""
     from core.io import sha256_json

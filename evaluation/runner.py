@@ -36,7 +36,8 @@ from evaluation.fastest_vanilla import build_references, fastest, packed_loader,
 from evaluation.methods import (REFERENCE_DRAFTERS, build_decoder, check_checkpoint_given, checkpoint_label, prepacked_products,
                                 resolve_device, row_consistent_products, variant_configs)
 from evaluation.plots import plot
-from evaluation.progress import Progress, absolute_paths, progress_fingerprint, prompt_digest
+from evaluation.progress import (Progress, ResultsMismatch, absolute_paths, check_prompts_unchanged,
+                                 progress_fingerprint, prompt_digest)
 from evaluation.probe import ProbeTallies
 from evaluation.prompts import load_prompts, read_jsonl_records
 from evaluation.report import build_report
@@ -168,17 +169,19 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
                     raise
                 raise type(exc)(f"eval.variants[{i}]: {exc}") from None
     progress_file = Path(str(cfg.eval.output_dir)) / "progress.jsonl" if cfg.eval.get("output_dir") else None
+    prior: dict[str, Any] = {}
     if progress_file is not None and progress_file.is_file():  # results this run may not continue: before the base loads
         from evaluation.progress import absolute_paths, check_progress, progress_fingerprint
 
         full = absolute_paths(cfg)
-        check_progress(progress_file, progress_fingerprint(full), full.get("resume"), config=full)
-    state: dict[str, Any] = {}
+        _, prior = check_progress(progress_file, progress_fingerprint(full), full.get("resume"), config=full)
+    state: dict[str, Any] = {"prior_records": prior}
     try:
         return _evaluate(cfg, base, decoder, state)
     except BaseException as exc:
         finish = state.get("finish")
-        if finish is not None and not state.get("written"):
+        # results of other prompts on disk: their report stays as it is (nothing of this run's to add)
+        if finish is not None and not state.get("written") and not isinstance(exc, ResultsMismatch):
             try:
                 out_dir = finish(error=exc)
                 log.error("evaluation stopped (%s: %s); the %d prompt turn(s) decoded are reported in %s; %s",
@@ -242,6 +245,8 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     # the prompts too, with the tokenizer alone: no usable prompt (eval.prompt_offset past the set...) costs no model load
     prompts, skipped = load_prompts(ev, cfg.data if "data" in cfg else {},
                                     load_tokenizer(cfg.model) if base is None else base[1], records)
+    if state.get("prior_records"):  # results decoded for other prompts (an edited file): before the base loads
+        check_prompts_unchanged(Path(str(ev.output_dir)) / "progress.jsonl", state["prior_records"], prompts)
     if base is None:
         model_cfg = to_container(cfg.model)
         model_cfg["dtype"] = ev.dtype
@@ -370,9 +375,8 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     for i, p in enumerate(units()):
         done.append(p)
         rec = progress.records.get(p.id)
-        if rec is not None and rec.get("prompt_sha256") != prompt_digest(p.input_ids):
-            raise ValueError(f"{progress.path}: prompt {p.id!r} is not the prompt these results were decoded for "
-                             "(the prompt file changed); evaluate into another eval.output_dir")
+        if rec is not None:  # a later turn is built from earlier answers: checked as it is reached
+            check_prompts_unchanged(progress.path, progress.records, [p])
         if rec is not None and len(rec["methods"]) != len(decoders):
             rec = None  # decoded with(out) a probe tree this run does not (does): decode it again
         if rec is None:

@@ -316,10 +316,36 @@ def test_interrupted_evaluation_resumes_without_redecoding(tiny_base, tiny_model
     dec = _Counting(tiny_base[0])
     rep = run_evaluation(compose(rewrite_argv(argv + ["resume=auto", "eval.num_prompts=2"])), base=tiny_base, decoder=dec)
     assert dec.calls == 0 and rep["num_prompts"] == 2
-    # a prompt whose text changed under the same id is not silently reused
+    # a prompt whose text changed under the same id is not silently reused, and the finished results are
+    # not overwritten by an empty report (they were: report.json then said num_prompts 0)
+    out = tmp_path / "out"
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     prompts_file.write_text(prompts_file.read_text().replace("short poem", "long poem"))
+    dec = _Counting(tiny_base[0])
     with pytest.raises(ValueError, match="prompt '81' is not the prompt these results were decoded for"):
-        run_evaluation(compose(rewrite_argv(argv + ["resume=auto"])), base=tiny_base, decoder=_Counting(tiny_base[0]))
+        run_evaluation(compose(rewrite_argv(argv + ["resume=auto"])), base=tiny_base, decoder=dec)
+    assert dec.calls == 0 and {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_a_changed_later_turn_leaves_the_finished_results_as_they_are(tiny_base, tiny_model_dir, tmp_path):
+    """Turn 2 is built from turn 1's answer, so its prompt is checked when reached, after turn 1's result
+    was reused: the refusal there writes nothing either."""
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "writing",
+                                   "turns": ["Write a short poem about the sea.", "Now make it rhyme."]}) + "\n")
+    argv = _argv(tiny_model_dir, tmp_path, "checkpoint=custom", f"eval.prompts={prompts}", "eval.turns=all")
+    run_evaluation(compose(rewrite_argv(argv)), base=tiny_base, decoder=_Counting(tiny_base[0]))
+    out = tmp_path / "out"
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert json.loads(before["report.json"])["complete"] is True
+    prompts.write_text(prompts.read_text().replace("make it rhyme", "make it longer"))
+    dec = _Counting(tiny_base[0])
+    with pytest.raises(ValueError, match=r"prompt '1#2' is not the prompt these results were decoded for|"
+                                         r"prompt '1.*' is not the prompt"):
+        run_evaluation(compose(rewrite_argv(argv + ["resume=auto"])), base=tiny_base, decoder=dec)
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    # config.yaml is the resumed command's (resume: auto), written before decoding starts; nothing else changed
+    assert dec.calls == 0 and after.pop("config.yaml") != before.pop("config.yaml") and after == before
 
 
 def test_progress_fingerprint_tracks_checkpoint_weights_not_output_dir(tmp_path):
