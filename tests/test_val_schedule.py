@@ -232,3 +232,32 @@ def test_machine_share_is_unknown_after_resuming_a_checkpoint_without_it_and_kep
     assert one_int.record()["threads"] == [n] and one_int.record()["world_size"] == [1, 2]
     fresh = resume({}, 1)
     assert fresh.record()["threads"] == [n] and fresh.record()["world_size"] == [1]
+
+
+def test_best_survives_a_run_folder_moved_between_launches(tiny_base, cache, tmp_path, monkeypatch):
+    """Lightning forgets the top-k scores when a checkpoint's dirpath is not the run's: a run moved (or
+    renamed) and resumed made the first validation after the resume best/, whatever its τ."""
+    from train.module import DraftHeadModule
+    from train.run import train
+
+    planted = {2: 1.60, 4: 1.20, 6: 1.30, 8: 1.10}
+    monkeypatch.setattr(DraftHeadModule, "aggregated_validation",
+                        lambda self: {"loss": 1.0, "sim_tau": planted[int(self.global_step)]})
+    common = ["train.val_every_n_steps=2", "train.save_top_k=-1", "train.optimizer.lr=0.01"]
+    first = train(compose(_args(cache, tmp_path, "first", "train.max_steps=8", *common)), base=tiny_base)["run_dir"]
+    # as if stopped after step 4: its checkpoint is the last one, the later ones and the exports are gone
+    import shutil
+
+    ckpts = first / "checkpoints"
+    shutil.copy(ckpts / "step0000004.ckpt", ckpts / "last.ckpt")
+    for gone in (ckpts / "step0000006.ckpt", ckpts / "step0000008.ckpt", first / "best", first / "last"):
+        shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    moved = first.parent / "moved"
+    first.rename(moved)
+    result = train(compose(_args(cache, tmp_path, "moved", "train.max_steps=8", "resume=auto", *common)), base=tiny_base)
+    assert result["run_dir"] == moved and result["trainer"].global_step == 8
+    best = json.loads((moved / "best" / "config.json").read_text())["extra"]
+    assert best["global_step"] == 2 and best["score"] == pytest.approx(1.60)
+    assert Path(best["source"]).parent == moved / "checkpoints"
+    record = json.loads((moved / "record.json").read_text())
+    assert record["best"]["step"] == 2

@@ -18,6 +18,7 @@ leaves a half-written one.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,30 @@ class RunCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer, pl_module) -> None:
         if not self.mid_window(trainer):
             super().on_train_end(trainer, pl_module)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's restore, for a run whose folder was moved or renamed since the checkpoint was written.
+
+        Lightning keeps the top-k ranking only when the checkpoint's ``dirpath`` equals this run's; else
+        it forgets the scores but keeps the old ``best_model_path``, so the first validation after the
+        resume became ``best/`` whatever its τ.  A run folder is moved whole: the paths under the old
+        ``dirpath`` are mapped to the same names under this one, and the ranking is restored."""
+        old = state_dict.get("dirpath")
+        if old is None or self.dirpath is None or os.path.normpath(old) == os.path.normpath(self.dirpath):
+            return super().load_state_dict(state_dict)
+
+        def moved(path):
+            if not path:
+                return path
+            rel = os.path.relpath(path, old)
+            return path if rel.startswith("..") else os.path.join(self.dirpath, rel)
+
+        state = dict(state_dict, dirpath=self.dirpath,
+                     best_model_path=moved(state_dict.get("best_model_path")),
+                     kth_best_model_path=moved(state_dict.get("kth_best_model_path")),
+                     last_model_path=moved(state_dict.get("last_model_path")),
+                     best_k_models={moved(k): v for k, v in (state_dict.get("best_k_models") or {}).items()})
+        super().load_state_dict(state)
 
     def save_last_now(self, trainer) -> None:
         """Write ``last.ckpt`` for the current state (a collective call; every rank must call it)."""
