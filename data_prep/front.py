@@ -60,6 +60,7 @@ class TemplatedConversation:
     conversation_id: str
     segments: list[Segment]
     messages: list[dict] | None = None
+    turns_past_max_length: int = 0  # assistant turns after this record that data.max_length left untemplated
 
     def encode(self, max_length: int | None = None) -> tuple[list[int], list[bool]]:
         """``(input_ids, loss_mask)`` — lists of length T <= max_length; mask True on assistant bodies."""
@@ -147,8 +148,10 @@ def template_conversations(tokenizer, convs: Iterable[Conversation], eos_ids: It
     eos = set(eos_ids)
     for conv in convs:
         dropped: list[TemplateError] = []
+        past: list[int] = []
         try:
-            records = segment_records(tokenizer, conv.messages, conv.id, eos, max_length, dropped_turns=dropped)
+            records = segment_records(tokenizer, conv.messages, conv.id, eos, max_length, dropped_turns=dropped,
+                                      past_max_length=past)
         except TemplateError as exc:
             stats.drop(exc.reason, conv.id, str(exc))
             continue
@@ -157,7 +160,8 @@ def template_conversations(tokenizer, convs: Iterable[Conversation], eos_ids: It
         if len(records) > 1:
             stats.fix("split_by_template", conv.id, f"{len(records)} records: the template rewrites earlier turns")
         for k, segs in enumerate(records):
-            yield TemplatedConversation(conv.id if k == 0 else f"{conv.id}#{k}", conv.id, segs, conv.messages)
+            yield TemplatedConversation(conv.id if k == 0 else f"{conv.id}#{k}", conv.id, segs, conv.messages,
+                                        len(past) if k == len(records) - 1 else 0)
 
 
 def template_split(tokenizer, data: SplitConversations, eos_ids: Iterable[int], max_length: int

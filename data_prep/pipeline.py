@@ -220,6 +220,24 @@ def check_against_base(cfg, base_config) -> list[int]:
     return layers
 
 
+def max_length_cuts(conv: TemplatedConversation, max_length: int) -> Counter:
+    """What ``data.max_length`` cuts from one teacher-forced record: ``tf_conversations`` (1),
+    ``tf_cut_conversations`` (1 when its templated tokens exceed ``max_length``), ``tf_turns`` (its
+    assistant replies) and ``tf_cut_turns`` (those not whole within ``max_length``: cut inside, or
+    ending past it, end-of-turn included, or dropped entirely).  Issue 27: the share of cut replies."""
+    past = int(conv.turns_past_max_length)  # replies the templating stopped before (issue 27: counted as cut)
+    out = Counter(tf_conversations=1, tf_turns=past, tf_cut_turns=past)
+    pos = 0
+    for seg in conv.segments:
+        end = pos + len(seg.ids)
+        if seg.body:
+            out["tf_turns"] += 1
+            out["tf_cut_turns"] += int(end > max_length)
+        pos = end
+    out["tf_cut_conversations"] += int(pos > max_length or past > 0)
+    return out
+
+
 def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, labels_mode: str, max_length: int,
                   max_new_tokens: int | None, layers: Sequence[int], final_layer: int, batch_tokens: int,
                   gen_batch_size: int, progress: _Progress | None = None, storage: torch.dtype | None = None,
@@ -246,7 +264,8 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
         the template re-rendered), ``regen_template_errors`` (conversations ended because the template raised on
         a regenerated reply, the first named on stderr) and ``regen_turns_after_a_dropped_turn`` (kept turns
         not regenerated because an earlier turn was dropped), all counted as generated, before the
-        guard drops a conversation.  ``examples`` (optional dict) receives the
+        guard drops a conversation; for ``teacher_forced``, what ``max_length`` cuts
+        (:func:`max_length_cuts`, over the records kept).  ``examples`` (optional dict) receives the
         first dropped conversation per guard reason: ``{reason: {"id", "layer", "position", "value"}}``.
     """
     eos = end_of_turn_ids(tokenizer, model)
@@ -280,6 +299,7 @@ def build_records(model, tokenizer, convs: Sequence[TemplatedConversation], *, l
             if not any(mask):
                 counts["no_assistant_tokens"] += 1
                 continue
+            counts.update(max_length_cuts(conv, max_length))
             items.append({"id": conv.id, "input_ids": ids, "loss_mask": mask})
         finished = len(convs)
     else:
@@ -597,6 +617,9 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
 
 
 #: regeneration counts the summary lists under the replies regenerated (key, what it counts)
+#: what data.max_length cuts from teacher-forced records (:func:`max_length_cuts`), summed in summary.json
+TF_CUTS = ("tf_conversations", "tf_cut_conversations", "tf_turns", "tf_cut_turns")
+
 REGEN_DETAILS = (
     ("regen_closed_by_template", "ended by another eos of the base, closed with the template's end-of-turn"),
     ("regen_rerendered_turns", "later turns whose context the template re-rendered (it rewrites earlier replies; "
@@ -611,7 +634,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
     complete = all(m is not None for m in manifests.values())
     dropped = Counter(data.stats.dropped)
     truncated = turns = 0
-    details = Counter()
+    details, cuts = Counter(), Counter()
     totals = {"conversations": 0, "tokens": 0, "assistant_tokens": 0, "bytes": 0}
     per_split = {}
     examples = dict(data.stats.examples)
@@ -623,6 +646,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
             for reason, ex in entry.get("drop_examples", {}).items():
                 examples.setdefault(reason, {"id": ex["id"], "message": f"{ex['value']} at layer {ex['layer']}, "
                                                                         f"position {ex['position']}"})
+        cuts.update({key: dropped.pop(key, 0) for key in TF_CUTS})
         truncated += dropped.pop("regen_truncated_turns", 0)
         turns += dropped.pop("regen_turns", 0)
         details.update({key: dropped.pop(key, 0) for key, _ in REGEN_DETAILS})
@@ -646,6 +670,7 @@ def _summary(root: Path, data: SplitConversations, manifests: dict) -> dict[str,
         "regen_truncated_turns": truncated,
         "regen_turns": turns,
         **{key: details[key] for key, _ in REGEN_DETAILS},
+        **{key: cuts[key] for key in TF_CUTS},
         "replaced_bytes": data.stats.replaced_bytes,
         "replaced_records": data.stats.replaced_records,
         "unparsed_bytes": data.stats.unparsed_bytes if data.stats.finished else None,
@@ -680,6 +705,11 @@ def format_summary(s: dict[str, Any]) -> str:
     elif s.get("regen_truncated_turns"):  # a cache written before replies were counted
         lines.append(f"regenerated turns cut by prep.max_new_tokens / data.max_length (no end-of-turn): "
                      f"{s['regen_truncated_turns']:,}")
+    if s.get("tf_turns"):
+        lines.append(f"cut by data.max_length: {s['tf_cut_conversations']:,} of {s['tf_conversations']:,} conversations "
+                     f"({100 * s['tf_cut_conversations'] / s['tf_conversations']:.1f}%), {s['tf_cut_turns']:,} of "
+                     f"{s['tf_turns']:,} assistant replies ({100 * s['tf_cut_turns'] / s['tf_turns']:.1f}%) not whole "
+                     "with their end-of-turn")
     if s.get("replaced_bytes"):
         lines.append(f"bytes not valid in data.encoding (decoded as U+FFFD): {s['replaced_bytes']:,} "
                      f"in {s['replaced_records']:,} records")

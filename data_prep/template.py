@@ -204,8 +204,15 @@ def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str
                         f"the reply continues the prompt's tokens with an end-of-turn token (eos ids {sorted(eos_ids)})")
 
 
+def _past(messages: Sequence[dict], start: int, out: list | None) -> None:
+    """Append to ``out`` (when given) the indices of the assistant turns from message ``start`` on."""
+    if out is not None:
+        out.extend(j for j in range(start, len(messages)) if messages[j]["role"] == "assistant")
+
+
 def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, eos_ids: Iterable[int],
-                    max_length: int | None = None, dropped_turns: list | None = None) -> list[list[Segment]]:
+                    max_length: int | None = None, dropped_turns: list | None = None,
+                    past_max_length: list | None = None) -> list[list[Segment]]:
     """Template a conversation into records of assistant :class:`Segment` s (module doc).
 
     Args:
@@ -218,6 +225,8 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
         dropped_turns: optional list; each assistant turn that no rendering can give its inference
             view is skipped (the other turns are kept) and appended as a :class:`TemplateError`.
             Without it such a turn raises (nothing is dropped uncounted).
+        past_max_length: optional list; receives the message index of each assistant turn not templated
+            because an earlier turn's rendering reached ``max_length`` (counted, not silently gone).
 
     Returns:
         one list of segments per record (usually one record).  In a record, segment ``k``'s ids
@@ -244,6 +253,7 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
             errors.append(exc)
             continue
         if max_length is not None and prompt_len >= max_length:
+            _past(messages, i, past_max_length)
             break
         if cur is not None and ids[: len(cur)] == cur:
             records[-1].append(Segment("assistant", ids[len(cur):], header=prompt_len - len(cur), body=end - prompt_len,
@@ -252,6 +262,7 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
             records.append([Segment("assistant", ids, header=prompt_len, body=end - prompt_len, turn=i)])
         cur = ids
         if max_length is not None and len(ids) >= max_length:
+            _past(messages, i + 1, past_max_length)
             break
     if not records:
         if errors:

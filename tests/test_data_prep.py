@@ -2,6 +2,7 @@
 greedy regeneration, reader + collate."""
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -539,3 +540,30 @@ def test_shards_record_their_inputs_and_base(tiny_base, tiny_model_dir, data_fil
     assert len(side["inputs_sha256"]) == 64
     assert side["base"] == {f: tiny_base[2].to_dict()[f] for f in IDENTITY_FIELDS}
     prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={cache}"), *tiny_base, out=None)  # resumes
+
+
+def test_summary_counts_what_max_length_cuts(tiny_base, tiny_model_dir, tmp_path):
+    """Issue 27 asks for the share of replies data.max_length cuts; teacher-forced data prep dropped a
+    later reply past it without a count.  max_length is set where the chat template (rendered by the
+    tokenizer itself) ends the first reply of the two-turn conversation: that reply is whole, the
+    second is cut, and the one-turn conversation is whole."""
+    from data_prep.pipeline import prepare
+
+    tok = tiny_base[1]
+    two = [{"role": "user", "content": "Tell me about the sea."}, {"role": "assistant", "content": "It is big."},
+           {"role": "user", "content": "And the sky?"}, {"role": "assistant", "content": "It is blue and wide."}]
+    cut = len(tok.apply_chat_template(two[:2], tokenize=True, return_dict=True)["input_ids"])
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([
+        {"id": "two", "conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
+                                        for m in two]},
+        {"id": "one", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}]))
+    out = io.StringIO()
+    cache = tmp_path / "cache"
+    prepare(_cfg(tiny_model_dir, data, tmp_path, f"prep.cache_dir={cache}", f"data.max_length={cut}",
+                 "data.heldout_fraction=0"), *tiny_base, out=out)
+    summary = json.loads((cache / "summary.json").read_text())
+    assert {k: summary[k] for k in ("tf_conversations", "tf_cut_conversations", "tf_turns", "tf_cut_turns")} == \
+        {"tf_conversations": 2, "tf_cut_conversations": 1, "tf_turns": 3, "tf_cut_turns": 1}
+    assert "cut by data.max_length: 1 of 2 conversations (50.0%), 1 of 3 assistant replies (33.3%)" in out.getvalue()
+    assert "tf_" not in " ".join(summary["dropped"])
