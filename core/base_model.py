@@ -16,11 +16,13 @@ bf16 where the CPU's bf16 is native, else fp32, :func:`core.precision.resolve_dt
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import logging
 import os
 import shutil
+import struct
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Any
@@ -209,7 +211,8 @@ def resolve_model_dir(model_cfg: Any) -> tuple[str, str, str | None]:
                                     "(or give a .gguf file)")
         load = str(local) if local.exists() else str(path)  # a folder under ~ is loaded, not looked up on the hub
         return load, str(path), converted_gguf_sha256(load)
-    folder = convert_gguf(gguf, cache_dir)
+    with readable_model_input(str(path) if path is not None else str(gguf), "the GGUF file", str(gguf)):
+        folder = convert_gguf(gguf, cache_dir)
     return str(folder), str(gguf), converted_gguf_sha256(folder)
 
 
@@ -242,12 +245,71 @@ def weights_folder(load_path: str) -> Path | None:
     return Path(hit).parent if isinstance(hit, str) else None
 
 
-def load_tokenizer(model_cfg: Any):
-    """Load only the tokenizer of the configured base model (converting a GGUF once if needed)."""
-    from transformers import AutoTokenizer
+#: what a damaged or incomplete model folder or GGUF file raises while transformers reads it (a torn
+#: safetensors file, a folder without tokenizer files, a GGUF header that is not one)
+_UNREADABLE = (OSError, ValueError, EOFError, struct.error)
 
-    load_path, _, _ = resolve_model_dir(model_cfg)
-    return AutoTokenizer.from_pretrained(load_path, trust_remote_code=bool(model_cfg.get("trust_remote_code", False)))
+
+@contextlib.contextmanager
+def readable_model_input(source: str, what: str, where: str):
+    """Turn a failure to read ``what`` (``"its weights"``, ``"its tokenizer"``, ...) of ``model.path=source``
+    from ``where`` into one :class:`core.config.UserInputError` naming both and the reason's first line;
+    a missing path stays the ``FileNotFoundError`` :func:`resolve_model_dir` gives."""
+    from core.config import UserInputError
+
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except _UNREADABLE + (_safetensor_error(),) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        hint = ("; a base folder needs its tokenizer files (tokenizer.json, or tokenizer.model with sentencepiece) "
+                "beside config.json" if what == "its tokenizer" else "")
+        raise UserInputError(f"model.path={source!r}: {what} could not be read from {where} "
+                             f"({type(exc).__name__}: {first}){hint}") from exc
+
+
+def _safetensor_error() -> type:
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors always ships it
+        return OSError
+    return SafetensorError
+
+
+def check_tokenizer_fits(tokenizer, config, source: str) -> None:
+    """Refuse a tokenizer with more ids than the model's ``vocab_size``: an id past it has no embedding row
+    and no logit (an ``IndexError`` deep in the first forward otherwise).  Fewer ids (padded
+    vocabularies) are normal.
+
+    Raises:
+        core.config.UserInputError: naming both sizes and ``model.path``.
+    """
+    from core.config import UserInputError
+
+    n, vocab = len(tokenizer), int(getattr(config, "vocab_size", 0) or 0)
+    if vocab and n > vocab:
+        raise UserInputError(f"model.path={source!r}: its tokenizer has {n} ids but the model's vocab_size is {vocab}: "
+                             f"ids {vocab}..{n - 1} have no embedding row; use the tokenizer the model was trained with")
+
+
+def load_tokenizer(model_cfg: Any):
+    """Load only the tokenizer of the configured base model (converting a GGUF once if needed), checked
+    against the model's ``vocab_size`` (:func:`check_tokenizer_fits`).
+
+    Raises:
+        core.config.UserInputError: the tokenizer cannot be read, or has more ids than the model.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    load_path, source, _ = resolve_model_dir(model_cfg)
+    trust = bool(model_cfg.get("trust_remote_code", False))
+    with readable_model_input(source, "its tokenizer", load_path):
+        tokenizer = AutoTokenizer.from_pretrained(load_path, trust_remote_code=trust)
+    with readable_model_input(source, "its config.json", load_path):
+        config = AutoConfig.from_pretrained(load_path, trust_remote_code=trust)
+    check_tokenizer_fits(tokenizer, config, source)
+    return tokenizer
 
 
 def load_base_config(model_cfg: Any):
@@ -255,8 +317,9 @@ def load_base_config(model_cfg: Any):
     GGUF once if needed): for checks that must refuse a setting before the base loads."""
     from transformers import AutoConfig
 
-    load_path, _, _ = resolve_model_dir(model_cfg)
-    return AutoConfig.from_pretrained(load_path, trust_remote_code=bool(model_cfg.get("trust_remote_code", False)))
+    load_path, source, _ = resolve_model_dir(model_cfg)
+    with readable_model_input(source, "its config.json", load_path):
+        return AutoConfig.from_pretrained(load_path, trust_remote_code=bool(model_cfg.get("trust_remote_code", False)))
 
 
 def load_base_model(model_cfg: Any):
@@ -286,8 +349,11 @@ def load_base_model(model_cfg: Any):
     kwargs = {}
     if model_cfg.get("attn_implementation"):
         kwargs["attn_implementation"] = model_cfg.get("attn_implementation")
-    model = AutoModelForCausalLM.from_pretrained(load_path, dtype=dtype, trust_remote_code=trust, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(load_path, trust_remote_code=trust)
+    with readable_model_input(source, "its weights", load_path):
+        model = AutoModelForCausalLM.from_pretrained(load_path, dtype=dtype, trust_remote_code=trust, **kwargs)
+    with readable_model_input(source, "its tokenizer", load_path):
+        tokenizer = AutoTokenizer.from_pretrained(load_path, trust_remote_code=trust)
+    check_tokenizer_fits(tokenizer, model.config, source)
     model.eval()
     model.requires_grad_(False)
     check_logit_transform(model, f"model.path={source!r}")  # refuses a base whose logits are not transform(W h_L)

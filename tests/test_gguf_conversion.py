@@ -72,3 +72,45 @@ def test_a_model_path_that_is_no_model_is_named(tmp_path, capsys):
         resolve_model_dir({"path": str(tmp_path / "empty")})
     with pytest.raises(FileNotFoundError, match="is a file: give a Hugging Face model folder or a .gguf file"):
         resolve_model_dir({"path": str(tmp_path / "notes.txt")})
+
+
+@pytest.mark.parametrize("damage,said", [
+    ("no_tokenizer", r"its tokenizer could not be read from .* a base folder needs its tokenizer files"),
+    ("torn_weights", r"its weights could not be read from .*\(SafetensorError: "),
+    ("small_vocab", r"its tokenizer has 384 ids but the model's vocab_size is 200: ids 200\.\.383 have no embedding row"),
+    ("random_gguf", r"the GGUF file could not be read from .*not a GGUF file"),
+    ("short_gguf", r"the GGUF file could not be read from .*\(error: unpack"),
+])
+def test_a_damaged_model_input_is_one_line_and_writes_nothing(tmp_path, capsys, damage, said):
+    """A folder without tokenizer files, a torn model.safetensors, a tokenizer larger than the model's
+    vocabulary and a GGUF that is none each ended in a traceback (the vocabulary one deep in data prep's
+    first forward, with the cache folder already made)."""
+    import os
+    import shutil
+
+    from core.tiny import save_tiny_model, tiny_llama, tiny_tokenizer
+    from data_prep.__main__ import main
+
+    good = save_tiny_model(tmp_path / "good", seed=0)
+    path = tmp_path / damage
+    if damage == "no_tokenizer":
+        shutil.copytree(good, path)
+        for f in path.glob("tokenizer*"):
+            f.unlink()
+    elif damage == "torn_weights":
+        shutil.copytree(good, path)
+        w = path / "model.safetensors"
+        w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    elif damage == "small_vocab":
+        tiny_llama(seed=0, vocab_size=200).save_pretrained(path)
+        tiny_tokenizer(384).save_pretrained(path)
+    else:
+        path = tmp_path / f"{damage}.gguf"
+        path.write_bytes(os.urandom(4096) if damage == "random_gguf" else b"GGUF\x03\x00\x00\x00")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        main([f"model.path={path}", "model.dtype=float32", "data.max_conversations=4", f"output_root={out}",
+              f"model.cache_dir={tmp_path / 'models'}", "prep.progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and re.search(rf"^error: model.path={re.escape(repr(str(path)))}: {said}", err[-1]), err
+    assert "Traceback" not in "\n".join(err) and not (out / "cache").exists()
