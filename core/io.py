@@ -17,6 +17,35 @@ from typing import Any, Mapping
 import torch
 
 
+class DamagedFile(OSError):
+    """A file draftheads reads is not what it wrote (torn by a full disk or a copy, or edited): the
+    command line prints ``error: <file>: <reason>`` (``core.config.report_errors``, as for any
+    ``OSError``), the reason saying how to recover."""
+
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        super().__init__(None, reason, str(path))
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+def read_json(path: str | os.PathLike, fix: str = "") -> Any:
+    """``json.loads`` of the UTF-8 file ``path``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        DamagedFile: it is not JSON (the line and column, then ``fix``, are in the message).
+    """
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DamagedFile(path, f"not UTF-8 text ({exc.reason}){'; ' + fix if fix else ''}") from exc
+    except json.JSONDecodeError as exc:
+        raise DamagedFile(path, f"not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"
+                                f"{'; ' + fix if fix else ''}") from exc
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -162,15 +191,12 @@ def manifest_identity(directory: str | os.PathLike, name: str = "manifest.json")
     (``heads.ship.cache_identity``).
 
     Raises:
-        ValueError: the manifest is not JSON (the message names it).
+        DamagedFile: the manifest is not JSON (the message names it).
     """
     path = Path(directory) / name
     if not path.is_file():
         return None
-    try:
-        m = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ValueError(f"{path}: not a JSON manifest ({exc})") from exc
+    m = read_json(path, "rerun data prep with the same settings to rewrite it (its shards are kept)")
     return {"sha256": sha256_file(path), "records": m.get("num_records"), "tokens": m.get("num_tokens"),
             "config_hash": m.get("config_hash")}
 

@@ -33,10 +33,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from core.io import atomic_save_safetensors, atomic_write_json, sha256_file, sha256_json
+from core.io import atomic_save_safetensors, atomic_write_json, read_json, sha256_file, sha256_json
 
 FORMAT = "draftheads-cache-v1"
 MANIFEST = "manifest.json"
+#: how to recover a damaged manifest: data prep rewrites it from the shards' sidecars
+MANIFEST_FIX = "rerun data prep with the same settings to rewrite it (its finished shards are kept)"
 #: config keys that do not change the cache's content (excluded from the cache hash)
 RUNTIME_KEYS = {"model": ("cache_dir",),
                 "prep": ("cache_dir", "batch_tokens", "gen_batch_size", "prepack_weights", "progress")}
@@ -308,7 +310,7 @@ class CacheReader:
         path = self.directory / MANIFEST
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: run `python -m data_prep` with the same overrides first")
-        self.manifest: dict[str, Any] = json.loads(path.read_text())
+        self.manifest: dict[str, Any] = read_json(path, MANIFEST_FIX)
         if self.manifest.get("format") != FORMAT:
             raise ValueError(f"{path}: format {self.manifest.get('format')!r} is not {FORMAT!r}")
         self.layers: list[int] = list(self.manifest["layers"])

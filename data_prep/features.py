@@ -96,10 +96,13 @@ def _recorded_model_section(root: str | Path | None) -> dict[str, Any]:
 def cache_features(cache_dir: str | Path) -> FeatureDefinition | None:
     """The feature definition of a prepared cache (``<cache_dir>/train/manifest.json``), or None
     when the cache has no manifest yet."""
+    from core.io import read_json
+    from data_prep.cache import MANIFEST_FIX
+
     path = Path(cache_dir) / "train" / "manifest.json"
     if not path.is_file():
         return None
-    return FeatureDefinition.from_manifest(json.loads(path.read_text()), cache_dir)
+    return FeatureDefinition.from_manifest(read_json(path, MANIFEST_FIX), cache_dir)
 
 
 def check_same_features(recorded: FeatureDefinition, run: FeatureDefinition, what: str,

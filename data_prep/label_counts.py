@@ -25,7 +25,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from core.io import atomic_save_safetensors
+from core.io import DamagedFile, atomic_save_safetensors, read_json
+from data_prep.cache import MANIFEST_FIX
 
 FILE = "label_counts.safetensors"
 KEY = "label_counts"
@@ -69,7 +70,7 @@ def scan_split(directory: str | Path) -> torch.Tensor:
     mpath = directory / "manifest.json"
     if not mpath.is_file():
         raise FileNotFoundError(f"{mpath} not found: the cache split is incomplete")
-    manifest = json.loads(mpath.read_text())
+    manifest = read_json(mpath, MANIFEST_FIX)
     v = _vocab_size(manifest, directory)
     total = torch.zeros(v, dtype=torch.int64)
     for entry in manifest.get("shards", []):
@@ -109,13 +110,19 @@ def load_counts(directory: str | Path, scan: bool = True) -> torch.Tensor:
     directory = Path(directory)
     path = directory / FILE
     if path.is_file():
-        tensors = load_file(str(path))
+        from safetensors import SafetensorError
+
+        try:
+            tensors = load_file(str(path))
+        except SafetensorError as exc:
+            raise DamagedFile(path, f"not a readable safetensors file ({exc}); delete it: the counts are "
+                                    "scanned from the shards again") from exc
         counts = tensors.get(KEY)
         if counts is None or counts.dtype != torch.int64 or counts.dim() != 1:
             raise ValueError(f"{path}: expected an int64 [V] tensor {KEY!r}")
         mpath = directory / "manifest.json"
         if mpath.is_file():
-            v = _vocab_size(json.loads(mpath.read_text()), directory)
+            v = _vocab_size(read_json(mpath, MANIFEST_FIX), directory)
             if counts.numel() != v:
                 raise ValueError(f"{path}: {counts.numel()} counts, but the cache's base vocab_size is {v}")
         return counts

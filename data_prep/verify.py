@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from core.config import UserInputError
-from core.io import atomic_write_json, sha256_file
+from core.io import atomic_write_json, read_json, sha256_file
+from data_prep.cache import MANIFEST_FIX
 
 STAMP_FORMAT = "draftheads-verified-v1"
 #: splits smaller than this (bytes of all shards) are hashed at every start, without a stamp
@@ -112,7 +113,7 @@ def verify_split(directory: str | os.PathLike, manifest: dict[str, Any] | None =
     """
     directory = Path(directory)
     if manifest is None:
-        manifest = json.loads((directory / "manifest.json").read_text())
+        manifest = read_json(directory / "manifest.json", MANIFEST_FIX)
     root = Path(cache_root) if cache_root is not None else directory.parent
     start = time.perf_counter()
     report = VerifyReport()

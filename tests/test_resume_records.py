@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -397,3 +398,42 @@ def test_trainer_kwargs_say_the_cpu_oversubscription_once(tiny_model_dir, tmp_pa
     assert trainer_kwargs(cfg)["devices"] == cores + 1
     err = capsys.readouterr().err
     assert err.count(f"draftheads: train.devices={cores + 1} starts {cores + 1} CPU training processes") == 1, err
+
+
+@pytest.mark.parametrize("damage", ["manifest", "label_counts", "last_ckpt"])
+def test_a_damaged_cache_or_checkpoint_file_is_one_line_naming_it(tiny_model_dir, tmp_path, capsys, damage):
+    """A manifest.json that is not JSON, a torn label_counts.safetensors and a torn last.ckpt ended in
+    tracebacks (JSONDecodeError, SafetensorError); each is now ``error: <file>: <reason>; <way out>``."""
+    from data_prep.synthetic import write_random_cache
+    from train.run import main
+
+    cache = write_random_cache(tmp_path / "cache", tiny_model_dir, n_train=4, n_val=2)
+    args = [f"model.path={tiny_model_dir}", f"output_root={tmp_path}", "heads=ctc", "heads.attn_implementation=eager",
+            f"train.cache_dir={cache}", "train.accelerator=cpu", "train.devices=1", "train.run_name=r",
+            "train.logger=csv", "train.progress_bar=false", "train.sanity_val_steps=0", "train.batch_size=2",
+            "train.max_steps=4", "train.val_every_n_steps=2", "train.save_top_k=-1"]
+    if damage == "manifest":
+        victim = cache / "train" / "manifest.json"
+        victim.write_text("{")
+        way = r"not valid JSON \(Expecting property name enclosed in double quotes: line 1 column 2\); rerun data prep with the same settings to rewrite it \(its finished shards are kept\)"
+    elif damage == "label_counts":
+        from data_prep.label_counts import write_split_counts
+
+        victim = cache / "train" / "label_counts.safetensors"
+        write_split_counts(cache / "train")
+        victim.write_bytes(victim.read_bytes()[:-10])
+        args += ["heads.draft_vocab_size=100"]
+        way = r"not a readable safetensors file \(.*\); delete it: the counts are scanned from the shards again"
+    else:
+        main(args)
+        victim = tmp_path / "runs" / "ctc" / "r" / "checkpoints" / "last.ckpt"
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+        args += ["resume=auto"]
+        way = r"not a readable checkpoint \(.*\); resume from another checkpoint of the run \(resume=<its path>; .* holds " \
+              r"step0000002.ckpt, step0000004.ckpt\)"
+        capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and "Traceback" not in "\n".join(err), err
+    assert re.fullmatch(rf"error: {re.escape(str(victim))}: {way}", err[-1]), err[-1]

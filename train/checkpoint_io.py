@@ -23,7 +23,7 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-from core.io import atomic_write_bytes
+from core.io import DamagedFile, atomic_write_bytes
 
 STATE_KEY = "draftheads.state"
 FORMAT = "draftheads-lightning-ckpt-v1"
@@ -167,7 +167,15 @@ class SafetensorsCheckpointIO(CheckpointIO):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint file {path} not found")
-        ckpt = loads(path.read_bytes(), str(path))
+        from safetensors import SafetensorError
+
+        try:
+            ckpt = loads(path.read_bytes(), str(path))
+        except (ValueError, SafetensorError) as exc:  # torn by a full disk or a copy: name it and the way out
+            others = sorted(p.name for p in path.parent.glob("*.ckpt") if p != path)
+            way = (f"resume from another checkpoint of the run (resume=<its path>; {path.parent} holds "
+                   f"{', '.join(others[-3:])})" if others else "no other checkpoint of the run is there")
+            raise DamagedFile(path, f"not a readable checkpoint ({str(exc).replace(str(path) + ': ', '')}); {way}") from exc
         if isinstance(map_location, (str, torch.device)):
             ckpt = move_data_to_device(ckpt, map_location)
         return ckpt
