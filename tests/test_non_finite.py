@@ -297,6 +297,10 @@ def test_training_stops_on_non_finite_features_or_loss_naming_step_and_conversat
     assert "rank 0" in str(err.value)
     run = tmp_path / "runs" / cfg.choices.heads / "r"
     assert not (run / "last").exists()  # nothing exported
+    # the message says what there is to go back to (it claimed a checkpoint where none was written yet)
+    last = run / "checkpoints" / "last.ckpt"
+    assert (f"its last checkpoint ({last}) holds finite weights" if last.is_file()
+            else "no checkpoint was written before it") in str(err.value)
     for ck in (run / "checkpoints").glob("*.ckpt"):  # every checkpoint written holds finite weights
         from train.checkpoint_io import SafetensorsCheckpointIO
 
@@ -364,3 +368,21 @@ def test_heads_save_and_engine_export_refuse_a_non_finite_weight(kind, tiny_base
     with pytest.raises(ExportError, match=r"'layers.0.mlp.down_proj.weight'.*non-finite"):
         export(tmp_path / "ok", "vllm", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_stop_message_names_the_checkpoint_to_go_back_to_or_says_there_is_none(tmp_path):
+    from types import SimpleNamespace
+
+    from train.finite import NonFiniteError, stop
+
+    ckpt = tmp_path / "last.ckpt"
+    for exists in (False, True):
+        if exists:
+            ckpt.write_bytes(b"x")
+        trainer = SimpleNamespace(world_size=1, global_step=1, current_epoch=0,
+                                  checkpoint_callback=SimpleNamespace(last_model_path=str(ckpt)))
+        with pytest.raises(NonFiniteError) as err:
+            stop("loss", trainer, {"bad": True, "detail": "micro-batch 0: loss nan", "window": [["c1"]]})
+        said = str(err.value)
+        assert ("its last checkpoint" in said) == exists and ("no checkpoint was written before it" in said) != exists
+        assert "step 2 (epoch 0): rank 0: micro-batch 0: loss nan, conversations [['c1']]" in said

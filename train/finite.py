@@ -22,6 +22,8 @@ loss is checked there.
 """
 from __future__ import annotations
 
+import os
+
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -60,9 +62,19 @@ def stop(what: str, trainer, local: dict[str, Any], step: int | None = None) -> 
     parts = [f"rank {r}: {d['detail']}, conversations {d['window']}" for r, d in enumerate(everyone) if d.get("bad")]
     raise NonFiniteError(
         f"non-finite {what} in optimizer step {step} (epoch {epoch}): {'; '.join(parts)}. Training stopped "
-        f"before this update on every rank; the last checkpoint holds finite weights. Check those conversations "
+        f"before this update on every rank; {_checkpoint_note(trainer)}. Check those conversations "
         f"(python -m data_prep drops and counts non-finite features) or the optimisation settings (train.optimizer.lr, "
         f"train.precision)")
+
+
+def _checkpoint_note(trainer) -> str:
+    """What the run has on disk to go back to: its last checkpoint (finite: no non-finite update was ever
+    applied), or that none was written yet."""
+    cb = getattr(trainer, "checkpoint_callback", None)
+    last = getattr(cb, "last_model_path", "") or ""
+    if last and os.path.isfile(last):
+        return f"its last checkpoint ({last}) holds finite weights"
+    return "no checkpoint was written before it (the first is written at the first validation)"
 
 
 def batch_detail(batch: dict[str, Any], loss: torch.Tensor | None, error: str | None,
