@@ -437,3 +437,28 @@ def test_a_damaged_cache_or_checkpoint_file_is_one_line_naming_it(tiny_model_dir
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and "Traceback" not in "\n".join(err), err
     assert re.fullmatch(rf"error: {re.escape(str(victim))}: {way}", err[-1]), err[-1]
+
+
+def test_resume_of_another_runs_checkpoint_under_a_new_run_name_is_refused(tiny_model_dir, tmp_path, capsys):
+    """``resume=<run a's checkpoint> train.run_name=b`` rewound run a and rewrote its last/ and best/, silently."""
+    from data_prep.synthetic import write_random_cache
+    from train.run import main
+
+    cache = write_random_cache(tmp_path / "cache", tiny_model_dir, n_train=4, n_val=2)
+    args = [f"model.path={tiny_model_dir}", f"output_root={tmp_path}", "heads=ctc", "heads.attn_implementation=eager",
+            f"train.cache_dir={cache}", "train.accelerator=cpu", "train.devices=1", "train.logger=csv",
+            "train.progress_bar=false", "train.sanity_val_steps=0", "train.batch_size=2", "train.max_steps=4",
+            "train.val_every_n_steps=2", "train.save_top_k=-1"]
+    main([*args, "train.run_name=a"])
+    run_a = tmp_path / "runs" / "ctc" / "a"
+    before = {p: p.read_bytes() for p in run_a.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    ckpt = run_a / "checkpoints" / "step0000002.ckpt"
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "train.run_name=b", f"resume={ckpt}"])
+    msg = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and msg == (f"error: resume={ckpt} continues the run in {run_a}, but train.run_name=b "
+                                           f"names {run_a.parent / 'b'}: leave train.run_name out (or set it to a) to "
+                                           "continue that run; a resume never starts another one")
+    assert {p: p.read_bytes() for p in run_a.rglob("*") if p.is_file()} == before
+    assert not (run_a.parent / "b").exists()

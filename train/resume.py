@@ -46,6 +46,7 @@ def resolve_resume(cfg: Any, run_dir_for) -> tuple[Path | None, Path | None]:
     Raises:
         FileNotFoundError: ``resume=<path>`` names no checkpoint file and no run directory with
             ``checkpoints/last.ckpt``.
+        UserInputError: ``train.run_name`` names another run than the one ``resume=<path>`` continues.
     """
     value = cfg.get("resume")
     if value in (None, "", "none", "null", False):
@@ -69,6 +70,14 @@ def resolve_resume(cfg: Any, run_dir_for) -> tuple[Path | None, Path | None]:
     if not path.is_file():
         raise FileNotFoundError(f"resume={value}: no such checkpoint file or run directory")
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
+    from core.config import UserInputError
+
+    named = Path(run_dir_for(cfg)) if cfg.train.get("run_name") else None
+    if run_dir is not None and named is not None and named.resolve() != run_dir.resolve():
+        # the resumed run writes where its checkpoint is: the other run's last/ and best/ would be rewritten
+        raise UserInputError(f"resume={value} continues the run in {run_dir}, but train.run_name="
+                             f"{cfg.train.run_name} names {named}: leave train.run_name out (or set it to "
+                             f"{run_dir.name}) to continue that run; a resume never starts another one")
     return path, run_dir
 
 
