@@ -483,6 +483,9 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
     # front half first: read, validate and template the data before the model loads or a directory exists;
     # a missing, unreadable or empty input leaves no cache directory behind (read_split / template_split raise)
     data = read_split(cfg.data)
+    if not data.train and data.val:  # a cache with nothing to train on: refused before the base loads
+        raise UserInputError(f"every one of the {len(data.val)} conversations read is held out, so the cache's train "
+                             f"split would be empty ({empty_split_advice('train', data, cfg.data)})")
     from core.base_model import load_base_config
 
     # a prep.layers or data.max_length this base cannot serve costs neither the data's templating nor a model load
@@ -612,8 +615,28 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
                 "check data.path, data.max_length and data.max_conversations")
         for split in empty:
             print(f"warning: the {split!r} split of {root} is empty; training needs both splits "
-                  "(raise data.max_conversations or data.heldout_fraction)", file=sys.stderr)
+                  f"({empty_split_advice(split, data, cfg.data)})", file=sys.stderr)
     return summary
+
+
+def empty_split_advice(split: str, data: SplitConversations, data_cfg) -> str:
+    """What to change when ``split`` came out empty: under ``data.split_key=root``, when the largest root id
+    gathers most conversations (enumerated ids such as ``conv_0`` ... ``conv_99``, which are no parts of one
+    conversation but share the root ``conv``), ``data.split_key=id``; else the share or the count."""
+    from collections import Counter as _Counter
+
+    from data_prep.split import root_id
+
+    ids = [c.id for c in (*data.train, *data.val)]
+    if str(data_cfg.get("split_key", "root")) == "root" and ids:
+        root, n = _Counter(root_id(i) for i in ids).most_common(1)[0]
+        if n > 1 and 2 * n >= len(ids):
+            return (f"{n} of its {len(ids)} conversations share the root id {root!r} under data.split_key=root, "
+                    "which keeps a root's parts on one side; if they are not parts of one conversation, set "
+                    "data.split_key=id")
+    if split == "train":
+        return "lower data.heldout_fraction or raise data.max_conversations"
+    return "raise data.max_conversations or data.heldout_fraction"
 
 
 #: regeneration counts the summary lists under the replies regenerated (key, what it counts)

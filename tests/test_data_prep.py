@@ -567,3 +567,34 @@ def test_summary_counts_what_max_length_cuts(tiny_base, tiny_model_dir, tmp_path
         {"tf_conversations": 2, "tf_cut_conversations": 1, "tf_turns": 3, "tf_cut_turns": 1}
     assert "cut by data.max_length: 1 of 2 conversations (50.0%), 1 of 3 assistant replies (33.3%)" in out.getvalue()
     assert "tf_" not in " ".join(summary["dropped"])
+
+
+def test_enumerated_ids_on_one_side_of_the_split_get_the_split_key_advice(tiny_base, tiny_model_dir, tmp_path, capsys):
+    """``conv_0`` ... ``conv_39`` share the root ``conv``: all land on one side.  Data prep said "raise
+    data.heldout_fraction" (worse when every one was held out) and wrote a cache with an empty train split."""
+    from core.config import UserInputError
+    from data_prep.pipeline import prepare
+    from data_prep.split import heldout_score
+
+    convs = _conversations(40, bad_record=False)
+    for i, c in enumerate(convs):
+        c["id"] = f"conv_{i}"
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps(convs))
+    assert heldout_score("conv", "0") >= 0.25 > heldout_score("conv", "a")  # salt 0: all train; salt a: all held out
+    for salt, train_side in (("0", True), ("a", False)):
+        cache = tmp_path / f"cache-{salt}"
+        cfg = _cfg(tiny_model_dir, data, tmp_path, f"prep.cache_dir={cache}", f"data.split_salt={salt}")
+        advice = "40 of its 40 conversations share the root id 'conv' under data.split_key=root"
+        if train_side:
+            prepare(cfg, *tiny_base, out=None)
+            err = capsys.readouterr().err
+            assert "warning: the 'val' split" in err and advice in err and "set data.split_key=id" in err
+        else:
+            with pytest.raises(UserInputError, match=rf"every one of the 40 conversations read is held out.*{advice}"):
+                prepare(cfg, *tiny_base, out=None)
+            assert not cache.exists()
+    cache = tmp_path / "cache-id"
+    prepare(_cfg(tiny_model_dir, data, tmp_path, f"prep.cache_dir={cache}", "data.split_key=id"), *tiny_base, out=None)
+    summary = json.loads((cache / "summary.json").read_text())
+    assert summary["splits"]["train"]["conversations"] > 0 and summary["splits"]["val"]["conversations"] > 0
