@@ -111,8 +111,13 @@ def test_make_batches_budget_coverage_determinism():
     assert pad < 0.5 * pad_rand
     # fixed batch size, no shuffle: consecutive chunks
     assert make_batches([5] * 7, 3, None, shuffle=False) == [[0, 1, 2], [3, 4, 5], [6]]
-    # a record over the budget forms its own batch
+    # a record over the budget forms its own batch, and training says so (it was silent)
     assert make_batches([10, 2, 2], None, 5, shuffle=False) == [[0], [1, 2]]
+    from train.data import over_token_budget
+
+    assert over_token_budget([10, 2, 7], 5) == ("train.max_tokens=5: 2 of 3 training conversations are longer (up to "
+                                               "10 tokens); each of those is a batch of its own, over the budget")
+    assert over_token_budget([10, 2], 10) is None and over_token_budget([10], None) is None
     with pytest.raises(ValueError, match="length < 1"):
         make_batches([3, 0], 2, None)
 

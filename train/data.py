@@ -35,6 +35,18 @@ from core.config import UserInputError
 # --------------------------------------------------------------------------------------------
 # Batching.
 # --------------------------------------------------------------------------------------------
+def over_token_budget(lengths: Sequence[int], max_tokens: int | None) -> str | None:
+    """The note owed when ``train.max_tokens`` is below some records' length (each of those is then a batch
+    of its own, over the budget: :func:`make_batches`), else None."""
+    if max_tokens is None:
+        return None
+    over = [n for n in lengths if n > max_tokens]
+    if not over:
+        return None
+    return (f"train.max_tokens={max_tokens}: {len(over):,} of {len(lengths):,} training conversations are longer "
+            f"(up to {max(over):,} tokens); each of those is a batch of its own, over the budget")
+
+
 def make_batches(
     lengths: Sequence[int],
     batch_size: int | None,
@@ -361,7 +373,12 @@ class CacheDataModule(pl.LightningDataModule):
                     f"cache split {name!r} of {self.cache_dir} holds no conversations; prepare more data "
                     "(data.max_conversations, data.heldout_fraction) with python -m data_prep")
         if self.train_batches is None:
-            self.train_batches = make_batches(record_lengths(self.train_reader), self.batch_size, self.max_tokens,
+            lengths = record_lengths(self.train_reader)
+            if (line := over_token_budget(lengths, self.max_tokens)) and self._world()[1] == 0:
+                from core.precision import note
+
+                note(line)
+            self.train_batches = make_batches(lengths, self.batch_size, self.max_tokens,
                                               self.seed, self.shuffle, self.bucket_size)
         if self.val_batches is None:
             self.val_batches = make_batches(record_lengths(self.val_reader), self.batch_size, self.max_tokens,
