@@ -20,6 +20,10 @@ Mixtures (``data.sources=[{path, weight, max, ...}, ...]``, each entry may overr
 deterministically by smooth weighted round robin — the next conversation comes from the source
 with the smallest ``(taken + 1) / weight`` (ties: the earlier source) among those not exhausted
 and below their ``max`` — so the mixture is the same on every run and machine.
+
+An id seen before (the same file listed twice, a record repeated in a file) is dropped and counted as
+``duplicate_id`` in its source's counts: the held-out split, the cache's records and the evaluation's
+results are all keyed by id.
 """
 from __future__ import annotations
 
@@ -183,9 +187,11 @@ def iter_source(spec: SourceSpec) -> Iterator[Conversation]:
 
 
 def mix(specs: list[SourceSpec]) -> Iterator[tuple[int, Conversation]]:
-    """Interleave the sources' conversations deterministically (module doc); yield ``(source index, conversation)``."""
+    """Interleave the sources' conversations deterministically (module doc); yield ``(source index, conversation)``.
+    A conversation whose id an earlier one had is dropped and counted (``duplicate_id``)."""
     iters = [iter_source(s) for s in specs]
     live = [True] * len(specs)
+    seen: dict[str, str] = {}  # id -> the source that gave it first
     while True:
         best = None
         for k, s in enumerate(specs):
@@ -201,6 +207,11 @@ def mix(specs: list[SourceSpec]) -> Iterator[tuple[int, Conversation]]:
         if conv is None:
             live[k] = False
             continue
+        if conv.id in seen:
+            where = "" if seen[conv.id] == specs[k].name else f" of {seen[conv.id]}"
+            specs[k].stats.drop("duplicate_id", conv.id, f"the id of an earlier conversation{where}")
+            continue
+        seen[conv.id] = specs[k].name
         specs[k].taken += 1
         yield k, conv
 

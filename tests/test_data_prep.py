@@ -598,3 +598,25 @@ def test_enumerated_ids_on_one_side_of_the_split_get_the_split_key_advice(tiny_b
     prepare(_cfg(tiny_model_dir, data, tmp_path, f"prep.cache_dir={cache}", "data.split_key=id"), *tiny_base, out=None)
     summary = json.loads((cache / "summary.json").read_text())
     assert summary["splits"]["train"]["conversations"] > 0 and summary["splits"]["val"]["conversations"] > 0
+
+
+def test_duplicate_ids_are_dropped_and_counted(tmp_path):
+    """Three records with one id, or one file listed twice in data.sources, were all cached with no count;
+    the held-out split, the cache's records and evaluation results are keyed by id."""
+    from data_prep.front import read_split
+
+    convs = _conversations(6, bad_record=False)
+    convs += [dict(convs[2]), dict(convs[2], conversations=convs[3]["conversations"])]  # conv-2 twice more
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(convs))
+    base = compose(["data.max_conversations=null", "data.heldout_fraction=0.3", f"data.path={path}"])
+    data = read_split(base.data)
+    ids = [c.id for c in (*data.train, *data.val)]
+    assert sorted(ids) == [f"conv-{i}" for i in range(6)]
+    assert data.stats.dropped["duplicate_id"] == 2 and data.stats.examples["duplicate_id"]["id"] == "conv-2"
+    twice = compose(["data.max_conversations=null", "data.heldout_fraction=0.3", "data.path=null",
+                     f"data.sources=[{{path: '{path}'}}, {{path: '{path}'}}]"])
+    data = read_split(twice.data)
+    assert sorted(c.id for c in (*data.train, *data.val)) == [f"conv-{i}" for i in range(6)]
+    assert data.stats.dropped["duplicate_id"] == 10  # the first listing's 2 repeats, then all 8 records again
+    assert data.stats.examples["duplicate_id"]["message"].startswith("the id of an earlier conversation")
