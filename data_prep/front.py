@@ -149,14 +149,17 @@ def template_conversations(tokenizer, convs: Iterable[Conversation], eos_ids: It
     for conv in convs:
         dropped: list[TemplateError] = []
         past: list[int] = []
+        notes: list[tuple[int, str]] = []
         try:
             records = segment_records(tokenizer, conv.messages, conv.id, eos, max_length, dropped_turns=dropped,
-                                      past_max_length=past)
+                                      past_max_length=past, notes=notes)
         except TemplateError as exc:
             stats.drop(exc.reason, conv.id, str(exc))
             continue
         for exc in dropped:  # the conversation is kept without the turns no rendering can give
             stats.fix(f"turns_dropped_{exc.reason}", conv.id, str(exc))
+        for i, note in notes:  # kept, but ended otherwise than the template ends them
+            stats.fix("turns_closed_with_eos", conv.id, f"assistant turn {i}: {note}")
         if len(records) > 1:
             stats.fix("split_by_template", conv.id, f"{len(records)} records: the template rewrites earlier turns")
         for k, segs in enumerate(records):

@@ -166,8 +166,8 @@ def _reply_view(tokenizer, text: str, gen_ids: list[int], gen_len: int, reply: s
 
 
 def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str, eos_ids: set[int],
-               specials: Sequence[str] = ()) -> tuple[list[int], int, int]:
-    """Assistant turn ``i`` as inference sees it: ``(ids, prompt_len, body_end)``.
+               specials: Sequence[str] = ()) -> tuple[list[int], int, int, str | None]:
+    """Assistant turn ``i`` as inference sees it: ``(ids, prompt_len, body_end, note)``.
 
     ``ids[:prompt_len]`` are exactly the tokens of ``apply_chat_template(messages[:i],
     add_generation_prompt=True)`` (what the base reads when it writes turn i), ``ids[prompt_len:
@@ -176,7 +176,10 @@ def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str
     as the last message (``render(messages[:i+1])``, so a template's formatting of the reply, e.g.
     Qwen3's think block, is kept) when that rendering continues the generation prompt; else the
     prompt followed by the reply text and an end-of-turn token (templates whose generation prompt
-    differs from how they render a past reply).
+    differs from how they render a past reply).  ``note`` is None, or says why the template's own
+    rendering, which does continue the prompt, was not used: it ends the reply with no end-of-turn id
+    of the base (a ``generation_config.json`` that lacks the template's end-of-turn token), so the reply
+    is closed with the eos token instead (counted by the caller, never silent).
 
     Raises:
         TemplateError: ``special_token_text`` (the turn or its context holds a special token's text),
@@ -195,11 +198,16 @@ def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str
     eos_text = _eos_text(tokenizer, eos_ids)
     if eos_text is not None:
         candidates.append(gen_text + messages[i]["content"] + eos_text)
-    for text in candidates:
+    note = None
+    for k, text in enumerate(candidates):
         view = _reply_view(tokenizer, text, gen_ids, len(gen_text), reply, eos_ids)
         if view is not None:
             ids, end = view
-            return ids, len(gen_ids), end
+            return ids, len(gen_ids), end, note
+        if k == 0 and full_text.startswith(gen_text):
+            note = (f"the template ends the reply with no end-of-turn id of the base (eos ids {sorted(eos_ids)}); "
+                    f"closed with {eos_text!r} instead: if the template's own end-of-turn token ends the base's "
+                    "replies, add it to the model folder's generation_config.json eos_token_id")
     raise TemplateError(f"{where}: neither the template's rendering of the turn nor the generation prompt followed by "
                         f"the reply continues the prompt's tokens with an end-of-turn token (eos ids {sorted(eos_ids)})")
 
@@ -212,7 +220,7 @@ def _past(messages: Sequence[dict], start: int, out: list | None) -> None:
 
 def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, eos_ids: Iterable[int],
                     max_length: int | None = None, dropped_turns: list | None = None,
-                    past_max_length: list | None = None) -> list[list[Segment]]:
+                    past_max_length: list | None = None, notes: list | None = None) -> list[list[Segment]]:
     """Template a conversation into records of assistant :class:`Segment` s (module doc).
 
     Args:
@@ -227,6 +235,8 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
             Without it such a turn raises (nothing is dropped uncounted).
         past_max_length: optional list; receives the message index of each assistant turn not templated
             because an earlier turn's rendering reached ``max_length`` (counted, not silently gone).
+        notes: optional list; receives ``(message index, note)`` for each turn templated otherwise than
+            by the template's own rendering of it (:func:`_turn_view`).
 
     Returns:
         one list of segments per record (usually one record).  In a record, segment ``k``'s ids
@@ -248,13 +258,15 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
         if msg["role"] != "assistant":
             continue
         try:
-            ids, prompt_len, end = _turn_view(tokenizer, messages, i, conversation_id, eos_ids, specials)
+            ids, prompt_len, end, note = _turn_view(tokenizer, messages, i, conversation_id, eos_ids, specials)
         except TemplateError as exc:
             errors.append(exc)
             continue
         if max_length is not None and prompt_len >= max_length:
             _past(messages, i, past_max_length)
             break
+        if note is not None and notes is not None:
+            notes.append((i, note))
         if cur is not None and ids[: len(cur)] == cur:
             records[-1].append(Segment("assistant", ids[len(cur):], header=prompt_len - len(cur), body=end - prompt_len,
                                        turn=i))

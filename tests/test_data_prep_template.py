@@ -177,3 +177,39 @@ def test_tokenizer_without_offsets_gives_the_same_masks(monkeypatch):
 
     monkeypatch.setattr(template, "_encode", no_offsets)
     assert encode_conversation(tok, MESSAGES, "c") == want
+
+
+def test_replies_closed_with_eos_instead_of_the_templates_end_are_counted(tmp_path):
+    """A model folder whose tokenizer and generation eos are <|endoftext|> while its template ends turns with
+    <|im_end|>: every reply was cached ending with <|endoftext|> and nothing said so.  It is still closed
+    that way (the base's eos is what ends generation there), and each such turn is counted with the fix."""
+    import json
+
+    from core.tiny import save_tiny_model
+    from data_prep.front import template_conversations
+    from data_prep.sharegpt import Conversation, ReadStats
+    from data_prep.template import end_of_turn_ids
+    from transformers import AutoTokenizer
+
+    d = save_tiny_model(tmp_path / "m", seed=0)
+    conf = json.loads((d / "tokenizer_config.json").read_text())
+    conf["eos_token"] = "<|endoftext|>"
+    (d / "tokenizer_config.json").write_text(json.dumps(conf))
+    tok = AutoTokenizer.from_pretrained(d)
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert tok.eos_token_id == eot != tok.convert_tokens_to_ids("<|im_end|>")
+    stats = ReadStats()
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello friend"},
+            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye"}]
+    recs = list(template_conversations(tok, [Conversation("c", msgs)], end_of_turn_ids(tok), 512, stats))
+    segs = [seg for rec in recs for seg in rec.segments]
+    assert len(segs) == 2 and all(seg.ids[seg.header + seg.body - 1] == eot for seg in segs)  # ended by the eos
+    assert stats.fixed["turns_closed_with_eos"] == 2
+    assert stats.fix_examples["turns_closed_with_eos"]["message"].startswith(
+        "assistant turn 1: the template ends the reply with no end-of-turn id of the base (eos ids [")
+    assert "generation_config.json eos_token_id" in stats.fix_examples["turns_closed_with_eos"]["message"]
+    # the packaged kind of folder (eos = the template's end-of-turn) notes nothing
+    plain = ReadStats()
+    ok = AutoTokenizer.from_pretrained(save_tiny_model(tmp_path / "ok", seed=0))
+    list(template_conversations(ok, [Conversation("c", msgs)], end_of_turn_ids(ok), 512, plain))
+    assert "turns_closed_with_eos" not in plain.fixed
