@@ -349,7 +349,7 @@ def replace_lone_surrogates(text: str) -> tuple[str, int]:
     return _LONE_SURROGATE.subn("\ufffd", text)
 
 
-def _text(value: Any) -> str | None:
+def turn_text(value: Any) -> str | None:
     """A turn's text: a string, or an OpenAI content list of ``{"type": "text", "text"}`` parts."""
     if isinstance(value, str):
         return value
@@ -357,6 +357,12 @@ def _text(value: Any) -> str | None:
                                                  and isinstance(p.get("text"), str) for p in value):
         return "".join(p["text"] for p in value)
     return None
+
+
+def message_role(raw: Any) -> str | None:
+    """``user`` / ``assistant`` / ``system`` for a turn's role or ShareGPT ``from`` (:data:`ROLE_MAP`:
+    ``human``, ``gpt`` ...; case and spaces ignored), None for an unknown one."""
+    return ROLE_MAP.get(str(raw).strip().lower())
 
 
 def record_id(record: Any, index: int, id_prefix: str = "record-") -> str:
@@ -397,11 +403,11 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
     messages: list[dict[str, str]] = []
     fixes: dict[str, str] = {}  # rule -> message (one count per record and rule)
     for t, turn in enumerate(record[list_key]):
-        text = _text(turn.get(text_key)) if isinstance(turn, dict) else None
+        text = turn_text(turn.get(text_key)) if isinstance(turn, dict) else None
         if text is None:
             return Drop("non_string_value", f"turn {t}: {text_key!r} is missing or not a string")
         raw_role = str(turn.get(role_key, ""))
-        role = ROLE_MAP.get(raw_role.strip().lower())
+        role = message_role(raw_role)
         if role is None:
             return Drop("unknown_role", f"turn {t}: unknown role {raw_role!r}")
         if not text.strip():

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from core.chat_template import apply_chat_template
-from data_prep.sharegpt import replace_lone_surrogates
+from data_prep.sharegpt import message_role, replace_lone_surrogates, turn_text
 from data_prep.template import special_token_texts
 
 AUTO_FIELDS = ("turns", "prompt", "instruction", "question", "text", "messages")
@@ -45,10 +45,37 @@ class Prompt:
     rendering: str = "template"
 
 
+def _chat_messages(value: list, key: str, where: str) -> list[dict[str, str]]:
+    """A ``messages`` prompt field read as data prep reads a ``messages`` record
+    (:func:`data_prep.sharegpt.normalize`): roles mapped (``human`` -> user, ``gpt`` -> assistant), text
+    parts joined; an unknown role, an empty turn or a system turn after the first is refused, by message."""
+    msgs = []
+    for j, m in enumerate(value):
+        text = turn_text(m.get("content")) if isinstance(m, dict) else None
+        if text is None or "role" not in m:
+            raise PromptError(f"{where}: field {key!r}[{j}] must be a {{role, content}} message (content a string or "
+                              "a list of text parts)")
+        role = message_role(m["role"])
+        if role is None:
+            raise PromptError(f"{where}: field {key!r}[{j}] has the unknown role {m['role']!r} (user, assistant, "
+                              "system, or ShareGPT's human, gpt)")
+        if not text.strip():
+            raise PromptError(f"{where}: field {key!r}[{j}] is an empty {role} turn")
+        if role == "system" and j > 0:
+            raise PromptError(f"{where}: field {key!r}[{j}] is a system turn that is not the first")
+        msgs.append({"role": role, "content": text})
+    return msgs
+
+
 def _follow_ups(rec: dict, field: str | None, where: str) -> tuple[str, ...]:
-    """The user turns after the first of an MT-bench style record (``turns`` = list of strings)."""
+    """The user turns after the first: an MT-bench style record's later ``turns`` (strings), or a
+    ``messages`` record's later user messages (its assistant messages are not used: every turn is
+    answered by the base, as MT-bench's turn 2 follows the model's own answer)."""
     key = field or next((k for k in AUTO_FIELDS if k in rec), None)
     value = rec.get(key) if key else None
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        users = [m["content"] for m in _chat_messages(value, key, where) if m["role"] == "user"]
+        return tuple(users[1:])
     if not (isinstance(value, list) and value and isinstance(value[0], str)):
         return ()
     for j, t in enumerate(value[1:], start=1):
@@ -67,14 +94,13 @@ def _messages_from_record(rec: Any, field: str | None, where: str) -> list[dict[
     key = keys[0]
     value = rec[key]
     if key == "messages" or (isinstance(value, list) and value and isinstance(value[0], dict)):
-        msgs = []
-        for m in value:
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-                raise PromptError(f"{where}: field {key!r} must be a list of {{role, content}} messages")
-            msgs.append({"role": str(m["role"]), "content": m["content"]})
-            if m["role"] == "user":
-                return msgs  # up to and including the first user turn
-        raise PromptError(f"{where}: field {key!r} holds no user message")
+        if not isinstance(value, list):
+            raise PromptError(f"{where}: field {key!r} must be a list of {{role, content}} messages")
+        msgs = _chat_messages(value, key, where)
+        first_user = next((j for j, m in enumerate(msgs) if m["role"] == "user"), None)
+        if first_user is None:
+            raise PromptError(f"{where}: field {key!r} holds no user message")
+        return msgs[: first_user + 1]  # up to and including the first user turn
     if isinstance(value, list):  # MT-bench style: the first turn
         if not value or not isinstance(value[0], str):
             raise PromptError(f"{where}: field {key!r} must be a non-empty list of strings")
@@ -143,7 +169,7 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
     out: list[dict[str, Any]] = []
     lines: dict[str, int] = {}  # id -> its line
     try:
-        raw = path.read_bytes().decode("utf-8")
+        raw = path.read_bytes().decode("utf-8").removeprefix("\ufeff")  # a byte-order mark, as data prep reads it
     except UnicodeDecodeError as exc:
         lineno = path.read_bytes()[:exc.start].count(b"\n") + 1
         raise PromptError(f"{path}:{lineno}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})") from None

@@ -10,7 +10,7 @@ import torch
 from core.config import compose
 from decoding.vanilla import VanillaDecoder
 from evaluation.__main__ import main, rewrite_argv
-from evaluation.prompts import PromptError, read_jsonl_prompts
+from evaluation.prompts import PromptError, read_jsonl_prompts, read_jsonl_records
 from evaluation.merge import main as merge_main, merge_progress
 from evaluation.progress import write_progress
 from evaluation.runner import ParityError, run_evaluation
@@ -493,3 +493,29 @@ def test_eval_dtype_bf16_without_bf16_instructions_is_refused_by_its_own_key(tmp
     err = capsys.readouterr().err
     assert rc != 0 and "error: eval.dtype=bfloat16 on cpu" in err and err.rstrip().endswith("use eval.dtype=float32")
     assert "model.dtype" not in err
+
+
+def test_prompt_records_are_read_as_data_prep_reads_messages(tmp_path):
+    """The prompt reader disagreed with data prep: an empty user message was evaluated, OpenAI text parts and
+    ShareGPT's ``human`` were refused, a messages record's later user turns were silently never decoded
+    under eval.turns=all, and a UTF-8 byte-order mark was refused."""
+    path = tmp_path / "p.jsonl"
+    rows = [
+        {"id": "parts", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                                                   {"type": "text", "text": "there"}]}]},
+        {"id": "human", "messages": [{"role": "human", "content": "Hi"}, {"role": "gpt", "content": "Hello!"},
+                                     {"role": "Human", "content": "And then?"}]},
+    ]
+    path.write_bytes("\ufeff".encode() + "\n".join(json.dumps(r) for r in rows).encode())
+    recs = {r["id"]: r for r in read_jsonl_records(path)}
+    assert recs["parts"]["messages"] == [{"role": "user", "content": "Hello there"}] and recs["parts"]["follow_ups"] == ()
+    assert recs["human"]["messages"] == [{"role": "user", "content": "Hi"}]
+    assert recs["human"]["follow_ups"] == ("And then?",)  # decoded as turn 2 with eval.turns=all
+    for bad, said in [({"messages": [{"role": "user", "content": "  "}]}, r"field 'messages'\[0\] is an empty user turn"),
+                      ({"messages": [{"role": "robot", "content": "x"}]}, r"unknown role 'robot'"),
+                      ({"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]},
+                       r"\[1\] is a system turn that is not the first"),
+                      ({"messages": "hello"}, r"must be a list of \{role, content\} messages")]:
+        path.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(PromptError, match=rf"{re.escape(str(path))}:1: .*{said}"):
+            read_jsonl_records(path)
