@@ -400,7 +400,7 @@ def test_trainer_kwargs_say_the_cpu_oversubscription_once(tiny_model_dir, tmp_pa
     assert err.count(f"draftheads: train.devices={cores + 1} starts {cores + 1} CPU training processes") == 1, err
 
 
-@pytest.mark.parametrize("damage", ["manifest", "label_counts", "last_ckpt"])
+@pytest.mark.parametrize("damage", ["manifest", "label_counts", "last_ckpt", "flipped_ckpt"])
 def test_a_damaged_cache_or_checkpoint_file_is_one_line_naming_it(tiny_model_dir, tmp_path, capsys, damage):
     """A manifest.json that is not JSON, a torn label_counts.safetensors and a torn last.ckpt ended in
     tracebacks (JSONDecodeError, SafetensorError); each is now ``error: <file>: <reason>; <way out>``."""
@@ -427,10 +427,17 @@ def test_a_damaged_cache_or_checkpoint_file_is_one_line_naming_it(tiny_model_dir
     else:
         main(args)
         victim = tmp_path / "runs" / "ctc" / "r" / "checkpoints" / "last.ckpt"
-        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+        data = bytearray(victim.read_bytes())
+        if damage == "last_ckpt":
+            del data[len(data) // 2:]
+        else:  # two bytes of the last tensor's data flipped: it still loads, as other numbers (it resumed before)
+            data[-6] ^= 0xFF
+            data[-5] ^= 0xFF
+        victim.write_bytes(bytes(data))
         args += ["resume=auto"]
-        way = r"not a readable checkpoint \(.*\); resume from another checkpoint of the run \(resume=<its path>; .* holds " \
-              r"step0000002.ckpt, step0000004.ckpt\)"
+        why = r".*" if damage == "last_ckpt" else r"its contents differ from the SHA-256 recorded when it was written"
+        way = rf"not a readable checkpoint \({why}.*\); resume from another checkpoint of the run \(resume=<its path>; " \
+              r".* holds step0000002.ckpt, step0000004.ckpt\)"
         capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
         main(args)

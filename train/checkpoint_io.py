@@ -12,6 +12,7 @@ never leaves a half-written ``last.ckpt``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from core.io import DamagedFile, atomic_write_bytes
 
 STATE_KEY = "draftheads.state"
+DIGEST_KEY = "draftheads.sha256"  # content_digest of the state and tensors, checked at load
 FORMAT = "draftheads-lightning-ckpt-v1"
 
 
@@ -120,16 +122,33 @@ def dumps(checkpoint: dict[str, Any]) -> bytes:
         if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             enc.tensors[k] = t.clone()
         seen.add(enc.tensors[k].untyped_storage().data_ptr())
-    meta = {"format": FORMAT, STATE_KEY: json.dumps(tree, allow_nan=False)}
+    state = json.dumps(tree, allow_nan=False)
+    meta = {"format": FORMAT, STATE_KEY: state, DIGEST_KEY: content_digest(enc.tensors, state)}
     return safetensors_bytes(enc.tensors, meta)
 
 
+def content_digest(tensors: dict[str, torch.Tensor], state: str) -> str:
+    """SHA-256 over a checkpoint's JSON state and every tensor (name, dtype, shape, bytes; by name), as
+    written into its metadata (``sha256``): a file damaged after it was written (a flipped byte in the
+    optimizer state) is refused at load instead of resumed from."""
+    h = hashlib.sha256(state.encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        h.update(f"\0{name}\0{str(t.dtype)}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def loads(data: bytes, source: str = "<bytes>") -> dict[str, Any]:
-    """Inverse of :func:`dumps`.  ValueError if ``data`` is not a draftheads checkpoint."""
+    """Inverse of :func:`dumps`.  ValueError if ``data`` is not a draftheads checkpoint, or its contents
+    differ from the digest recorded when it was written (checkpoints written before it are not checked)."""
     from safetensors.torch import load
 
     meta = _metadata(data, source)
     tensors = load(data)
+    if DIGEST_KEY in meta and content_digest(tensors, meta[STATE_KEY]) != meta[DIGEST_KEY]:
+        raise ValueError(f"{source}: its contents differ from the SHA-256 recorded when it was written (the file was "
+                         "damaged after it was saved)")
     return _decode(json.loads(meta[STATE_KEY]), tensors)
 
 
