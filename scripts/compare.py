@@ -170,6 +170,26 @@ def count_questions(prompts: str, per_category: int) -> int:
     return sum(taken.values())
 
 
+def check_same_commands(stage: str, done: Path, recorded, commands: list[list[str]]) -> None:
+    """Refuse to skip a finished stage whose commands (less the interpreter's path) differ from this run's:
+    its outputs were made under other settings, and the stages after it would build on them.
+
+    Raises:
+        UserInputError: naming the stage, the first differing argument and the ways out.
+    """
+    if recorded is None:  # a marker written before the commands were recorded
+        return
+    old = [list(c[1:]) for c in recorded]
+    new = [list(c[1:]) for c in commands]
+    if old == new:
+        return
+    diff = next(((a, b) for o, n in zip(old, new) for a, b in zip(o + [None] * len(n), n + [None] * len(o))
+                 if a != b), (f"{len(old)} commands", f"{len(new)} commands"))
+    raise UserInputError(f"stage {stage} finished earlier with other settings ({diff[0]!r} -> {diff[1]!r}), so its "
+                         f"outputs do not follow this configuration: use another output_dir, or delete {done} and that "
+                         "stage's outputs to run it again")
+
+
 class Driver:
     """Runs the stages of one comparison (see the module docstring)."""
 
@@ -213,8 +233,10 @@ class Driver:
         for stage, commands in stages:
             done = self._done(stage)
             if done.is_file():
+                record = json.loads(done.read_text())
+                check_same_commands(stage, done, record.get("commands"), commands)
                 print(f"[skip] {stage}: done earlier ({done})")
-                results[stage] = json.loads(done.read_text()).get("status", 0)
+                results[stage] = record.get("status", 0)
                 continue
             print(f"[run ] {stage}" + ("" if len(commands) == 1 else f" ({len(commands)} processes in parallel)")
                   + (f" [OMP_NUM_THREADS={threads}]" if threads else "") + (f" [CPUs {cpus}]" if cpus else ""))

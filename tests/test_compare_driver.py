@@ -111,6 +111,18 @@ def test_compare_driver_end_to_end_and_resume(tiny_setup, capsys):
     log = (out / "logs" / "eval-ctc+ctc_ce-timing.log").read_text()
     assert "resuming: 5 prompt turn(s) already decoded" in log
 
+    # a finished stage is not skipped under other settings: every later stage would build on its outputs
+    cfg = yaml.safe_load(config.read_text())
+    cfg["heads"]["ctc_ce"]["overrides"] = cfg["heads"]["ctc_ce"]["overrides"] + ["heads.draft_vocab_size=32"]
+    changed = config.parent / "changed.yaml"
+    changed.write_text(yaml.safe_dump(cfg))
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "stages").iterdir()}
+    assert compare.main(["--config", str(changed)]) == 2
+    err = capsys.readouterr().err
+    assert "error: stage train-ctc_ce finished earlier with other settings (" in err and "'heads.draft_vocab_size=32'" in err
+    assert f"delete {out / 'stages' / 'train-ctc_ce.done'}" in err
+    assert {p: p.stat().st_mtime_ns for p in (out / "stages").iterdir()} == stamps
+
 
 def test_compare_driver_bad_config_is_one_line_error(tiny_setup, capsys):
     config, out = tiny_setup
