@@ -121,12 +121,14 @@ def read_checkpoint(ckpt: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
     return meta, load_file(ckpt / "model.safetensors")
 
 
-def check_base(meta: dict[str, Any], base: str | None) -> None:
+def check_base(meta: dict[str, Any], base: str | None, flag: str = "--base") -> None:
     """Refuse an export for a base other than the one the head was trained for.
 
     ``base``: a ``model.path`` (HF folder, hub id available offline, or ``.gguf``); None skips
     the check.  Compared: architecture, vocab size, hidden size, layer count and, when both
-    sides have it, the GGUF sha256.
+    sides have it, the GGUF sha256 and the weights' content SHA-256
+    (:func:`core.weights_digest.weights_sha256`: a base of the same shape but other weights is
+    refused, as training and evaluation refuse it).  ``flag`` names the option in messages.
 
     Raises:
         ExportError: a mismatch (names the field and both values), or ``base`` is not a model (a
@@ -143,11 +145,11 @@ def check_base(meta: dict[str, Any], base: str | None) -> None:
         cfg = AutoConfig.from_pretrained(load_path, trust_remote_code=False)
     except FileNotFoundError as exc:
         if not Path(base).expanduser().exists():
-            raise ExportError(f"--base {base}: no such file or folder") from None
-        raise ExportError(f"--base {base}: not a Hugging Face model folder or GGUF file ({exc})") from None
+            raise ExportError(f"{flag} {base}: no such file or folder") from None
+        raise ExportError(f"{flag} {base}: not a Hugging Face model folder or GGUF file ({exc})") from None
     except (OSError, ValueError) as exc:  # transformers: no config.json, no model_type, a hub id offline
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ExportError(f"--base {base}: not a Hugging Face model folder or GGUF file ({first})") from None
+        raise ExportError(f"{flag} {base}: not a Hugging Face model folder or GGUF file ({first})") from None
     have = {"vocab_size": int(cfg.vocab_size), "hidden_size": int(cfg.hidden_size),
             "num_hidden_layers": int(cfg.num_hidden_layers)}
     if cfg.architectures:  # a config without it names no class to compare with the training base's
@@ -155,10 +157,20 @@ def check_base(meta: dict[str, Any], base: str | None) -> None:
     trained = meta["base"]
     for key, value in have.items():
         if key in trained and trained[key] != value:
-            raise ExportError(f"--base {base}: {key}={value!r}, but the head was trained for {trained.get('source')!r} "
+            raise ExportError(f"{flag} {base}: {key}={value!r}, but the head was trained for {trained.get('source')!r} "
                               f"with {key}={trained[key]!r}")
     if sha and trained.get("sha256") and sha != trained["sha256"]:
-        raise ExportError(f"--base {base}: GGUF sha256 {sha[:12]}… differs from the training base's {trained['sha256'][:12]}…")
+        raise ExportError(f"{flag} {base}: GGUF sha256 {sha[:12]}… differs from the training base's {trained['sha256'][:12]}…")
+    if trained.get("weights_sha256"):
+        from core.base_model import default_cache_dir, weights_folder
+        from core.weights_digest import weights_sha256
+
+        folder = weights_folder(load_path)
+        got = weights_sha256(folder, Path(default_cache_dir())) if folder else None
+        if got is not None and got != trained["weights_sha256"]:
+            raise ExportError(f"{flag} {base}: its weights (sha256 {got[:12]}…) are not the training base's "
+                              f"({trained['weights_sha256'][:12]}…, {trained.get('source')!r}); a head drafts for the "
+                              "weights it was trained on")
 
 
 def _eagle3_weights(meta, state, prefix: str, mapping_if_full: bool = True) -> dict[str, torch.Tensor]:
@@ -299,6 +311,11 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
         raise ExportError(f"output {out} cannot be written: {problem}")
     meta, state = read_checkpoint(ckpt)
     check_base(meta, base)
+    if verifier is not None and Path(verifier).expanduser().exists():  # a local verifier is the base the engine runs
+        check_base(meta, verifier, "--verifier")
+    elif verifier is not None:
+        print(f"warning: --verifier {verifier} is not a local folder: it is recorded as given, not checked against the "
+              f"training base {meta['base'].get('source')!r}", file=sys.stderr)
 
     def engine_inputs() -> tuple[str, torch.Tensor]:
         try:

@@ -273,6 +273,14 @@ def test_export_errors(tiny_base, tmp_path, tiny_model_dir):
             continue
         with pytest.raises(ExportError, match=f"--base {bad}: {message}"):
             export(e3, "vllm", tmp_path / "x", base=str(bad))
+    # the same shape, other weights: an export would pair the head with a base it never saw (vLLM copies the
+    # base's embedding into it); refused as training and evaluation refuse it, for --base and a local --verifier
+    same_shape = save_tiny_model(tmp_path / "same_shape", seed=5)
+    with pytest.raises(ExportError, match=rf"--base {same_shape}: its weights \(sha256 \w+…\) are not the training "
+                                          r"base's \(\w+…, .*\); a head drafts for the weights it was trained on"):
+        export(e3, "vllm", tmp_path / "x", base=str(same_shape))
+    with pytest.raises(ExportError, match=rf"--verifier {same_shape}: its weights"):
+        export(e3, "vllm", tmp_path / "x", verifier=str(same_shape))
     assert not (tmp_path / "x").exists()
     assert export(e3, "vllm", tmp_path / "ok", base=str(tiny_model_dir)).is_dir()
     (tmp_path / "full").mkdir()
