@@ -56,6 +56,10 @@ def build_decoder(cfg: DictConfig, base_model, eos_ids: list[int], device: torch
     ckpt = ev.get("checkpoint")
     check_checkpoint_given(ckpt)
     info: dict[str, Any] = {"checkpoint": str(ckpt)}
+    if str(ckpt) not in REFERENCE_DRAFTERS:  # its identity: summaries pair runs by weights, not by path
+        from evaluation.progress import checkpoint_digest
+
+        info["checkpoint_sha256"] = checkpoint_digest(ckpt)
     if str(ckpt) in REFERENCE_DRAFTERS:
         depth, width = int(ev.reference_depth), int(ev.reference_width)
         if ckpt == "oracle":

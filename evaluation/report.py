@@ -47,7 +47,8 @@ def build_report(info, identity, device, model, ev, prompts, skipped, max_new, e
     timing["identical_tokens"] = not unstable if temperature == 0 else None
     timing["nonidentical_ids"] = unstable
     return {
-        "head_type": info["head_type"], "decoder": info["decoder"], "checkpoint": info["checkpoint"], "info": info,
+        "head_type": info["head_type"], "decoder": info["decoder"], "checkpoint": info["checkpoint"],
+        "checkpoint_sha256": info.get("checkpoint_sha256"), "info": info,
         "base": identity.to_dict() if hasattr(identity, "to_dict") else str(identity),
         "device": str(device), "dtype": str(model.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
         "omp_wait_policy": omp_wait_policy(),

@@ -276,6 +276,23 @@ def expand_variants(entries: Sequence[tuple[str, Path, Path | None]]) -> list[tu
     return out
 
 
+def check_same_checkpoint(name: str, q: dict, qdir, t: dict, tdir) -> None:
+    """Refuse a timing report of another head than its quality report: by the weights' SHA-256 where both
+    reports record it (a checkpoint folder rewritten between the two runs is another head; a copy of it is
+    the same), else by path.
+
+    Raises:
+        ValueError: naming both folders and what differs.
+    """
+    a, b = q.get("checkpoint_sha256"), t.get("checkpoint_sha256")
+    if a and b:
+        if a != b:
+            raise ValueError(f"{name}: timing report {tdir} evaluated other weights ({t['checkpoint']}, sha256 "
+                             f"{b[:12]}…) than {qdir} ({q['checkpoint']}, sha256 {a[:12]}…)")
+    elif t["checkpoint"] != q["checkpoint"]:
+        raise ValueError(f"{name}: timing report {tdir} evaluated {t['checkpoint']}, not {q['checkpoint']} like {qdir}")
+
+
 def combine(entries: Sequence[tuple[str, Path, Path | None]]) -> list[dict[str, Any]]:
     """Summary rows for ``[(name, quality_dir, timing_dir or None)]``.
 
@@ -302,9 +319,7 @@ def combine(entries: Sequence[tuple[str, Path, Path | None]]) -> list[dict[str, 
         row = summary_row(name, q)
         if tdir is not None:
             t = _load(Path(tdir))
-            if t["checkpoint"] != row["checkpoint"]:
-                raise ValueError(f"{name}: timing report {tdir} evaluated {t['checkpoint']}, "
-                                 f"not {row['checkpoint']} like {qdir}")
+            check_same_checkpoint(name, q, qdir, t, tdir)
             timing = t.get("timing") or {}
             t_method = t.get("method") or {}
             row.update(tree_matches_timing=_chosen_tree(q) == _chosen_tree(t), timing_tree=tree_summary(t.get("tree")),

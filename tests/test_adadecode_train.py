@@ -64,6 +64,9 @@ def test_train_then_evaluate(varied_base, tmp_path):
                              f"eval.output_dir={tmp_path / 'eval'}"])
     report = run_evaluation(ecfg, base=base)
     assert report["parity"] == {"matched": 3, "total": 3, "mismatched_ids": [], "checked": True}
+    from core.io import sha256_file  # the head's identity in the report: summaries pair runs by it
+
+    assert report["checkpoint_sha256"] == sha256_file(result["run_dir"] / "best" / "model.safetensors")
     summary = report["method"]["decoder_summary"]
     assert summary["early_exits"] > 0 and summary["gammas"] == {"1": 0.0, "2": 0.0, "3": 0.0}
     assert summary["max_inflight"] == 3

@@ -186,7 +186,9 @@ def test_compare_driver_parallel_training_and_stage_selection(tiny_setup, capsys
     assert exc.value.code == 3
     assert (out / "stages" / "ok.done").is_file() and not (out / "stages" / "bad.done").exists()
     assert "threads 2" in (out / "logs" / "ok.log").read_text()
-    assert drv.run_stages([("ok", [[py, "-c", "raise SystemExit(5)"]])]) == [0]  # done earlier: skipped
+    assert drv.run_stages([("ok", [show])]) == [0]  # done earlier: skipped
+    with pytest.raises(compare.UserInputError, match="stage ok finished earlier with other settings"):
+        drv.run_stages([("ok", [[py, "-c", "raise SystemExit(5)"]])])  # ... unless its command changed
 
 
 def test_compare_driver_two_caches_and_a_token_budget(tiny_setup, capsys):

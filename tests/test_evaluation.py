@@ -519,3 +519,17 @@ def test_prompt_records_are_read_as_data_prep_reads_messages(tmp_path):
         path.write_text(json.dumps(bad) + "\n")
         with pytest.raises(PromptError, match=rf"{re.escape(str(path))}:1: .*{said}"):
             read_jsonl_records(path)
+
+
+def test_summary_pairs_timing_and_quality_reports_by_weights(tmp_path):
+    """The same path with other weights was paired (τ of one head beside the speed of another); a copy of
+    the same weights elsewhere was refused.  Reports now record the checkpoint's SHA-256."""
+    from evaluation.summary import check_same_checkpoint
+
+    q = {"checkpoint": "ck/best", "checkpoint_sha256": "a" * 64}
+    check_same_checkpoint("h", q, "q", {"checkpoint": "copy/best", "checkpoint_sha256": "a" * 64}, "t")  # a copy
+    with pytest.raises(ValueError, match=r"h: timing report t evaluated other weights \(ck/best, sha256 bbbbbbbbbbbb…\) "
+                                         r"than q \(ck/best, sha256 aaaaaaaaaaaa…\)"):
+        check_same_checkpoint("h", q, "q", {"checkpoint": "ck/best", "checkpoint_sha256": "b" * 64}, "t")
+    with pytest.raises(ValueError, match="evaluated other/best, not ck/best like q"):  # reports without the digest
+        check_same_checkpoint("h", {"checkpoint": "ck/best"}, "q", {"checkpoint": "other/best"}, "t")
