@@ -85,7 +85,7 @@ def check_decoding_overrides(ev: dict, head_type: str | None = None, heads_cfg: 
     cannot type them by their default.  Each must hold what the ``heads.*`` key it overrides holds
     (:data:`DECODING_OVERRIDES`): an integer >= 1 (``max_nodes``, ``max_alignments``,
     ``falcon_passes``, ``max_inflight``), an integer >= 1 or a non-empty list of them (``topk``), a
-    number >= 0 (``gamma``), a list of numbers >= 0 (``gamma_schedule``), or a tree mapping
+    number in [0, 1] (``gamma``), a list of numbers in [0, 1] (``gamma_schedule``), or a tree mapping
     (``falcon_tree``: exactly one of node_children / depth_children / paths; with ``heads=falcon``
     it is built with the selected ``heads.block_size`` and the pass count, as the drafter builds it).
 
@@ -133,10 +133,10 @@ def check_decoding_overrides(ev: dict, head_type: str | None = None, heads_cfg: 
         if kind == "int_or_list" and not ((is_int(value) and value >= 1) or (
                 isinstance(value, list) and value and all(is_int(v) and v >= 1 for v in value))):
             raise ConfigError(f"{name} must be an integer >= 1 or a non-empty list of them, e.g. [10,6,4]{hint}")
-        if kind == "number" and not (is_num(value) and value >= 0):
-            raise ConfigError(f"{name} must be a number >= 0{hint}")
-        if kind == "numbers" and not (isinstance(value, list) and value and all(is_num(v) and v >= 0 for v in value)):
-            raise ConfigError(f"{name} must be a non-empty list of numbers >= 0, one per heads.layers entry{hint}")
+        if kind == "number" and not (is_num(value) and 0 <= value <= 1):
+            raise ConfigError(f"{name} must be a number in [0, 1] (an exit threshold on a confidence){hint}")
+        if kind == "numbers" and not (isinstance(value, list) and value and all(is_num(v) and 0 <= v <= 1 for v in value)):
+            raise ConfigError(f"{name} must be a non-empty list of numbers in [0, 1], one per heads.layers entry{hint}")
         if kind == "mapping":
             if not isinstance(value, dict):
                 raise ConfigError(f"{name} must be a mapping with one of node_children, depth_children, paths, "

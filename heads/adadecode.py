@@ -73,10 +73,11 @@ def _check_cfg(cfg: dict[str, Any], num_layers: int | None) -> None:
             values = numbers(key, float)
             if len(values) != len(layers):
                 raise ValueError(f"heads.{key} has {len(values)} entries but heads.layers={layers} has {len(layers)}")
-            if any(v < 0 for v in values):
-                raise ValueError(f"heads.{key}={values} must all be >= 0")
-    if float(cfg["gamma"]) < 0:
-        raise ValueError(f"heads.gamma={cfg['gamma']} must be >= 0")
+            if any(v < 0 for v in values) or (key == "gamma_schedule" and any(v > 1 for v in values)):
+                raise ValueError(f"heads.{key}={values} must all be "
+                                 f"{'in [0, 1] (exit thresholds on a confidence)' if key == 'gamma_schedule' else '>= 0'}")
+    if not 0 <= float(cfg["gamma"]) <= 1:  # a confidence never exceeds 1: above it no layer could ever exit
+        raise ValueError(f"heads.gamma={cfg['gamma']} must lie in [0, 1] (an exit threshold on the head's confidence)")
     if int(cfg["chunk_tokens"]) < 1:
         raise ValueError(f"heads.chunk_tokens={cfg['chunk_tokens']} must be >= 1")
     if int(cfg["max_inflight"]) < 1:
@@ -98,7 +99,8 @@ class AdaDecodeHead(DraftHead):
         gamma_schedule: per-layer thresholds (list aligned with ``layers``) or null = the
             linear schedule below.
         gamma_slope: with no ``gamma_schedule``, the k-th of K candidate layers uses
-            γ_k = max(0, gamma + gamma_slope·(k − (K−1)/2)) (0 = ``gamma`` everywhere).
+            γ_k = min(1, max(0, gamma + gamma_slope·(k − (K−1)/2))) (0 = ``gamma`` everywhere; a
+            confidence never exceeds 1, so γ is kept in [0, 1]).
         val_gammas: thresholds at which validation reports per-layer and policy metrics.
         chunk_tokens: tokens per chunk when computing [N, V] logits (bounds activation memory:
             a training chunk's gradients are taken in its forward, no logits are kept).
@@ -129,7 +131,7 @@ class AdaDecodeHead(DraftHead):
         self.gammas = self._per_layer(merged["gamma_schedule"], float(merged["gamma"]))
         if merged["gamma_schedule"] is None and float(merged["gamma_slope"]) != 0.0:
             mid = (len(layers) - 1) / 2
-            self.gammas = {layer: max(0.0, float(merged["gamma"]) + float(merged["gamma_slope"]) * (k - mid))
+            self.gammas = {layer: min(1.0, max(0.0, float(merged["gamma"]) + float(merged["gamma_slope"]) * (k - mid)))
                            for k, layer in enumerate(layers)}
         self.val_gammas = [float(g) for g in merged["val_gammas"]]
         H = self.hidden_size

@@ -229,6 +229,12 @@ def test_gamma_slope_schedule(model):
     assert head.gammas == pytest.approx({1: 0.7, 2: 0.8, 3: 0.9})
     head = make_head(model, gamma=0.8, gamma_schedule=[0.9, 0.5, 0.6])
     assert head.gammas == {1: 0.9, 2: 0.5, 3: 0.6}
+    # the sweep's corner (γ 0.95, slope 0.1) gave the top layer γ 1.05: a threshold no confidence reaches
+    head = make_head(model, gamma=0.95, gamma_slope=0.1)
+    assert head.gammas == pytest.approx({1: 0.85, 2: 0.95, 3: 1.0})
+    for bad in ({"gamma": 1.5}, {"gamma_schedule": [0.5, 1.2, 0.9]}):
+        with pytest.raises(ValueError, match=r"in \[0, 1\] \(.*exit threshold"):
+            make_head(model, **bad)
 
 
 def test_save_load_roundtrip(model, tmp_path):

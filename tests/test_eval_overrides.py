@@ -20,8 +20,11 @@ from evaluation.methods import variant_configs
     (["heads=falcon", "eval.falcon_tree={depth_children: [a]}"], "eval.falcon_tree: invalid literal"),
     (["heads=falcon", "eval.falcon_tree={depth_children: [2], paths: [[0]]}"], "eval.falcon_tree: set exactly one"),
     (["heads=falcon", "eval.falcon_tree={node_children: {x: 2}}"], "eval.falcon_tree.node_children: key 'x'"),
-    (["heads=adadecode", "eval.gamma=high"], 'eval.gamma="high" must be a number >= 0'),
-    (["heads=adadecode", "eval.gamma=true"], "eval.gamma=true must be a number >= 0"),
+    (["heads=adadecode", "eval.gamma=high"], r'eval.gamma="high" must be a number in \[0, 1\]'),
+    (["heads=adadecode", "eval.gamma=true"], r"eval.gamma=true must be a number in \[0, 1\]"),
+    # a confidence never exceeds 1: no layer would ever exit (it decoded with 0 exits, exit 0)
+    (["heads=adadecode", "eval.gamma=1.5"], r"eval.gamma=1.5 must be a number in \[0, 1\] \(an exit threshold"),
+    (["heads=adadecode", "eval.gamma_schedule=[0.5,1.2,0.9]"], r"must be a non-empty list of numbers in \[0, 1\]"),
     (["heads=adadecode", "eval.gamma_schedule=abc"], 'eval.gamma_schedule="abc" must be a non-empty list'),
     (["heads=adadecode", "eval.max_inflight=0"], "eval.max_inflight=0 must be an integer >= 1"),
     (["eval.variants=abc"], "eval.variants='abc' must be null or a list of mappings"),
