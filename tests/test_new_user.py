@@ -108,6 +108,13 @@ def test_wandb_mode_decision_from_key_netrc_settings_and_env(no_login, monkeypat
 
     with pytest.raises(UserInputError, match="WANDB_MODE=online but no W&B login was found.*wandb login"):
         decide_wandb_mode()
+    # a mistyped mode: wandb raised a pydantic traceback at wandb.init, after the run folder was made
+    monkeypatch.setenv("WANDB_MODE", "ofline")
+    with pytest.raises(UserInputError, match=r"WANDB_MODE='ofline' is not a W&B mode \(Input should be 'online', "
+                                             r"'offline'.*\); unset it"):
+        decide_wandb_mode()
+    monkeypatch.setenv("WANDB_MODE", "dryrun")  # wandb's own older names still pass
+    assert decide_wandb_mode().mode == "dryrun"
 
 
 def test_wandb_logger_gets_the_mode_explicitly(no_login, tmp_path, capsys):

@@ -105,6 +105,25 @@ def find_credentials(base_url: str | None = None) -> str | None:
     return None
 
 
+def check_mode(mode: str) -> None:
+    """Refuse a ``WANDB_MODE`` wandb does not know, by wandb's own settings model, before the run starts (wandb
+    raised a pydantic traceback at ``wandb.init``, after the run directory was made).
+
+    Raises:
+        core.config.UserInputError: naming the value and wandb's own list of modes.
+    """
+    from wandb.sdk.wandb_settings import Settings
+
+    try:
+        Settings(mode=mode)
+    except Exception as exc:  # pydantic's ValidationError, whose text lists the modes wandb accepts
+        from core.config import UserInputError
+
+        allowed = next((line.strip() for line in str(exc).splitlines() if "Input should be" in line), str(exc))
+        raise UserInputError(f"WANDB_MODE={mode!r} is not a W&B mode ({allowed.split(' [')[0]}); unset it to let "
+                             "draftheads choose (offline without a login)") from None
+
+
 def decide_wandb_mode(base_url: str | None = None) -> WandbMode:
     """The run's W&B mode (module docstring: ``WANDB_MODE``, wandb's settings, credentials, else offline).
 
@@ -112,7 +131,8 @@ def decide_wandb_mode(base_url: str | None = None) -> WandbMode:
 
     Raises:
         core.config.UserInputError: ``WANDB_MODE=online`` with no login wandb could use (wandb would
-            ask for one on a terminal, and fail with a traceback without one).
+            ask for one on a terminal, and fail with a traceback without one), or a ``WANDB_MODE`` wandb
+            does not know (:func:`check_mode`).
     """
     mode = os.environ.get("WANDB_MODE")
     if mode == "online" and find_credentials(base_url) is None:
@@ -122,6 +142,7 @@ def decide_wandb_mode(base_url: str | None = None) -> WandbMode:
                              "in wandb's settings): run `wandb login` first, or unset WANDB_MODE to log offline "
                              "(`wandb sync` uploads the run later)")
     if mode:
+        check_mode(mode)
         return WandbMode(mode, f"WANDB_MODE={mode}")
     settings = _settings_files()
     if settings is not None and "mode" in getattr(settings, "model_fields_set", set()) and settings.mode != "online":
