@@ -347,11 +347,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     for a in args[1:]:
         name, dirs = a.split("=", 1)
         parts = dirs.split(",")
+        if not name or len(parts) > 2 or not parts[0]:  # a third folder or an empty name was silently dropped
+            print(f"error: {a!r}: give NAME=QUALITY_DIR[,TIMING_DIR] (a non-empty name, one or two folders)",
+                  file=sys.stderr)
+            return 2
         entries.append((name, Path(parts[0]), Path(parts[1]) if len(parts) > 1 and parts[1] else None))
     from core.io import output_dir_problem
 
     if (problem := output_dir_problem(args[0])) is not None:
         print(f"error: OUT_DIR {args[0]} cannot be written: {problem}", file=sys.stderr)
+        return 2
+    own = [f for f in ("report.json", "progress.jsonl") if (Path(args[0]) / f).is_file()]
+    if own:  # an evaluation's folder: its summary.json lists its variants, which this would overwrite
+        print(f"error: OUT_DIR {args[0]} is an evaluation's folder (it holds {', '.join(own)}): write the summary "
+              "into another folder", file=sys.stderr)
         return 2
     try:
         rows = combine(entries)

@@ -141,6 +141,14 @@ def test_variants_share_one_vanilla_pass(tiny_model_dir, tmp_path, prompts_file,
     assert summary_main([str(tmp_path / "afile" / "t"), f"a={out / 'orc'}"]) == 2
     assert f"error: OUT_DIR {tmp_path / 'afile' / 't'} cannot be written: {tmp_path / 'afile'} is a file" in \
         capsys.readouterr().err
+    # the run's own folder as OUT_DIR overwrote the summary.json that lists its variants
+    before = (out / "summary.json").read_bytes()
+    assert summary_main([str(out), f"v={out}"]) == 2
+    assert f"error: OUT_DIR {out} is an evaluation's folder (it holds " in capsys.readouterr().err
+    assert (out / "summary.json").read_bytes() == before
+    for bad in (f"a={out},{out / 'orc'},{out}", f"={out}", "a="):  # a third folder or no name was dropped silently
+        assert summary_main([str(tmp_path / "t3"), bad]) == 2
+        assert "give NAME=QUALITY_DIR[,TIMING_DIR]" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "report.json").write_text("{}")
     assert summary_main([str(tmp_path / "t2"), f"a={tmp_path / 'empty'}"]) == 2
