@@ -83,21 +83,27 @@ def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_d
 
     Raises:
         FileNotFoundError: a checkpoint file or ``run_dir`` is missing.  ValueError: unknown dtype,
-        or ``out`` is ``checkpoint`` itself.  core.finite.NonFiniteError: a weight is NaN/±inf
+        ``checkpoint`` is no head checkpoint, ``out`` is ``checkpoint`` itself, cannot be written or holds
+        other files than a shipped head's (:func:`check_destination`), or ``run_dir`` is another run's
+        (:func:`check_run_of`).  core.finite.NonFiniteError: a weight is NaN/±inf
         before or after the cast (fp16 overflow; the tensor is named).
     """
     from safetensors import safe_open
 
+    from core.io import output_dir_problem
+    from heads.registry import check_checkpoint_dir
+
     src, out = Path(checkpoint), Path(out)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    for name in ("model.safetensors", "config.json"):
-        if not (src / name).is_file():
-            raise FileNotFoundError(f"checkpoint {src} has no {name}")
+    check_checkpoint_dir(src)  # an engine export or another folder is no head checkpoint (named)
     if out.resolve() == src.resolve():
         raise ValueError(f"{out}: the destination is the checkpoint itself")
-    if run_dir is not None and not Path(run_dir).is_dir():
-        raise FileNotFoundError(f"--run {run_dir}: not a directory")
+    if (problem := output_dir_problem(out)) is not None:
+        raise ValueError(f"output {out} cannot be written: {problem}")
+    check_destination(out)
+    if run_dir is not None:
+        check_run_of(src, Path(run_dir))
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         metadata = dict(f.metadata() or {})
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -113,6 +119,8 @@ def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_d
     out.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(cast, out / "model.safetensors", metadata={**metadata, "stored_dtype": dtype})
     atomic_write_json(out / "config.json", meta)
+    for name in RUN_FILES if run_dir is None else ():  # an earlier ship's training record is not this head's
+        (out / name).unlink(missing_ok=True)
     for name in RUN_FILES if run_dir is not None else ():
         path = Path(run_dir) / name
         if path.is_file():
@@ -121,6 +129,45 @@ def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_d
                 data = trained_config_yaml(data.decode("utf-8"), meta["extra"].get("features")).encode("utf-8")
             atomic_write_bytes(out / name, data)
     return out
+
+
+def check_destination(out: Path) -> None:
+    """``out`` is new, empty, or an earlier ship (its ``config.json`` records ``extra.shipped_from``) holding
+    only the files a ship writes, which are then replaced: a folder with anything else (an engine export's
+    ``hot_token_ids.json``, another run's files) would end up mixing two heads' files.
+
+    Raises:
+        ValueError: naming the folder and what it holds.
+    """
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    names = sorted(p.name for p in out.iterdir())
+    foreign = [n for n in names if n not in ("model.safetensors", "config.json", *RUN_FILES)]
+    try:
+        shipped = "shipped_from" in (json.loads((out / "config.json").read_text(encoding="utf-8")).get("extra") or {})
+    except (OSError, ValueError, AttributeError):
+        shipped = False
+    if foreign or not shipped:
+        raise ValueError(f"output {out} holds {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}, not a shipped "
+                         "head: ship into a new or empty folder (a shipped head's folder is replaced)")
+
+
+def check_run_of(src: Path, run_dir: Path) -> None:
+    """``run_dir`` is the training run ``src`` comes from: ``src`` is its ``best/`` or ``last/``, or has the same
+    weights as one of them (a copy).  Another run's record would document the wrong training.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` is not a directory.  ValueError: it is another run's.
+    """
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"--run {run_dir}: not a directory")
+    exports = [run_dir / d for d in ("best", "last") if (run_dir / d / "model.safetensors").is_file()]
+    if src.resolve() in [e.resolve() for e in exports]:
+        return
+    mine = sha256_file(src / "model.safetensors")
+    if not any(sha256_file(e / "model.safetensors") == mine for e in exports):
+        raise ValueError(f"--run {run_dir}: neither its best/ nor its last/ is the checkpoint {src} (other weights): "
+                         "pass the run the checkpoint was trained in")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,9 +25,8 @@ def checkpoint(tiny_base, tiny_model_dir, tmp_path):
     head = heads.build(cfg.heads, tiny_base[0], label_counts=counts, counts_source="test")
     features = {"source": "offline", "labels": "teacher_forced", "layers": [3, 1], "storage_dtype": "float8_e4m3fn",
                 "compute_dtype": "float32", "attn_implementation": "eager", "final_layer": 4}
-    ckpt = heads.save(head, tmp_path / "best", tiny_base[2].to_dict(), {"step": 7, "features": features})
     run = tmp_path / "run"
-    run.mkdir()
+    ckpt = heads.save(head, run / "best", tiny_base[2].to_dict(), {"step": 7, "features": features})
     (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))  # data prep's defaults, as older runs recorded
     (run / "record.json").write_text(json.dumps({"validations": [{"step": 7, "metrics": {"sim_tau": 1.5}}]}))
     return head, ckpt, run
@@ -73,7 +72,7 @@ def test_ship_casts_weights_keeps_d2t_and_loads(checkpoint, tiny_base, tmp_path)
 def test_ship_refuses_bad_input_and_writes_nothing(checkpoint, tmp_path, capsys):
     _, ckpt, run = checkpoint
     assert main([str(tmp_path / "nope"), str(tmp_path / "o1")]) == 2
-    assert "has no model.safetensors" in capsys.readouterr().err and not (tmp_path / "o1").exists()
+    assert "no such directory" in capsys.readouterr().err and not (tmp_path / "o1").exists()
     assert main([str(ckpt), str(ckpt)]) == 2 and "the checkpoint itself" in capsys.readouterr().err
     assert main([str(ckpt), str(tmp_path / "o2"), "--run", str(tmp_path / "norun")]) == 2
     assert not (tmp_path / "o2").exists()
@@ -86,6 +85,39 @@ def test_ship_refuses_bad_input_and_writes_nothing(checkpoint, tmp_path, capsys)
     save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "draftheads"})
     assert main([str(ckpt), str(tmp_path / "o3"), "--dtype", "float16"]) == 2
     assert name in capsys.readouterr().err and not (tmp_path / "o3").exists()
+
+
+def test_ship_checks_its_destination_its_run_and_its_input(checkpoint, tiny_base, tmp_path, capsys):
+    """Shipping into another head's or an export's folder mixed two heads' files; --run of another run copied
+    that run's record as this head's; an output path through a file was a traceback; an engine export was
+    shipped as if it were a checkpoint."""
+    head, ckpt, run = checkpoint
+    first = ship(ckpt, tmp_path / "s", "bfloat16", run)
+    assert (first / "record.json").is_file()
+    assert ship(ckpt, first, "bfloat16") == first  # an earlier ship is replaced ...
+    assert not (first / "record.json").exists()  # ... and without --run keeps no earlier training record
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "hot_token_ids.json").write_text("[]")
+    (export / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle"]}))
+    (export / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes())
+    assert main([str(ckpt), str(export)]) == 2
+    assert f"output {export} holds config.json, hot_token_ids.json, model.safetensors, not a shipped head" in \
+        capsys.readouterr().err
+    assert main([str(export), str(tmp_path / "o4")]) == 2  # an engine export is no head checkpoint
+    assert "config.json is not a head config" in capsys.readouterr().err
+    other = heads.save(heads.build({"type": "ctc"}, tiny_base[0]), tmp_path / "other" / "best",
+                       tiny_base[2].to_dict())
+    assert main([str(ckpt), str(tmp_path / "o5"), "--run", str(other.parent)]) == 2
+    assert "neither its best/ nor its last/ is the checkpoint" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main([str(ckpt), str(tmp_path / "afile" / "x")]) == 2
+    assert f"output {tmp_path / 'afile' / 'x'} cannot be written" in capsys.readouterr().err
+    assert not any((tmp_path / n).exists() for n in ("o4", "o5"))
+    import shutil
+
+    copy = shutil.copytree(ckpt, tmp_path / "copy")  # a copy of the run's best/ ships with that run's record
+    assert (ship(copy, tmp_path / "o6", "bfloat16", run) / "record.json").is_file()
 
 
 @pytest.mark.parametrize("head_dir", sorted(p.name for p in (Path(__file__).parents[1] / "heads_of_record").iterdir()
