@@ -49,9 +49,11 @@ exit status otherwise (its log is named; run again to resume).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -170,6 +172,51 @@ def count_questions(prompts: str, per_category: int) -> int:
     return sum(taken.values())
 
 
+@contextlib.contextmanager
+def forwarded_signals(procs: list[subprocess.Popen]):
+    """While stage processes run, a SIGTERM, SIGINT or SIGHUP to the driver is passed on to each of them
+    (training checkpoints a whole optimizer step and stops, data prep keeps its finished shards, an evaluation
+    keeps its decoded prompts) and the driver waits for them, then reports the stage as failed: stopping the
+    driver used to leave its stage running alone, and a second driver would have run beside it."""
+    received: list[int] = []
+
+    def forward(signum, frame):  # noqa: ARG001
+        received.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT if signum == signal.SIGHUP else signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        yield received
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if received:
+            print(f"compare: stopped by signal {received[0]}; its stages were told to stop and have ended: run the "
+                  "same command again to resume", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def driver_lock(out: Path):
+    """One driver at a time per ``output_dir`` (an exclusive lock on ``<output_dir>/.compare.lock``): two would
+    run the same stage into the same folders.
+
+    Raises:
+        UserInputError: another driver holds it.
+    """
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".compare.lock", "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserInputError(f"another scripts/compare.py is running on {out} (it holds {out / '.compare.lock'}); "
+                                 "wait for it, or stop it (its stages stop with it) and run again") from None
+        yield
+
+
 def check_same_commands(stage: str, done: Path, recorded, commands: list[list[str]]) -> None:
     """Refuse to skip a finished stage whose commands (less the interpreter's path) differ from this run's:
     its outputs were made under other settings, and the stages after it would build on them.
@@ -256,6 +303,10 @@ class Driver:
                                                preexec_fn=pin), log))
             running.append((stage, commands, procs, time.time()))
         failed = []
+        with forwarded_signals([p for _, _, procs, _ in running for p, _ in procs]):
+            for _, _, procs, _ in running:
+                for p, _ in procs:
+                    p.wait()
         for stage, commands, procs, t0 in running:
             codes = []
             for p, log in procs:
@@ -515,6 +566,10 @@ class Driver:
                 names.append(str(name))
         if not names:
             raise UserInputError("no head of heads_to_run is available")
+        with contextlib.nullcontext() if self.dry_run else driver_lock(self.out):
+            return self._run(names)
+
+    def _run(self, names: list[str]) -> int:
         stages = set(self.cfg.stages)
         if "prep" in stages:
             self.prepare()

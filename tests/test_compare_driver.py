@@ -281,3 +281,50 @@ def test_heads_without_a_validation_tau_do_not_stop_the_summary(tmp_path, capsys
     printed = capsys.readouterr().out
     assert "[skip] summary: adadecode has no evaluation report yet" in printed and "no evaluated head" in printed
     assert not (tmp_path / "summary.md").exists()
+
+
+def test_stopping_the_driver_stops_its_stage_and_a_second_driver_is_refused(tmp_path, capsys):
+    """Killing the driver left its training running alone (PPID 1), and a rerun would have started a second
+    one into the same run folder."""
+    import os
+    import signal
+    import subprocess
+    import textwrap
+    import time
+
+    out = tmp_path / "cmp"
+    (out / "stages").mkdir(parents=True)
+    marker = tmp_path / "child_stopped"
+    child = textwrap.dedent(f"""
+        import signal, sys, time, pathlib
+        def stop(signum, frame):
+            pathlib.Path({str(marker)!r}).write_text(str(signum)); sys.exit(130)
+        signal.signal(signal.SIGTERM, stop)
+        print("handler " + "installed", flush=True)  # split: the log's command line must not match
+        time.sleep(60)
+    """)
+    driver = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / 'scripts')!r}); sys.path.insert(0, {str(ROOT)!r})
+        import compare
+        from omegaconf import OmegaConf
+        drv = compare.Driver(OmegaConf.create({{"output_dir": {str(out)!r}}}))
+        with compare.driver_lock(drv.out):
+            drv.run_stages([("long", [[sys.executable, "-c", {child!r}]])])
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], stderr=subprocess.PIPE, text=True)
+    log = out / "logs" / "long.log"
+    for _ in range(300):
+        if log.is_file() and "handler installed" in log.read_text():
+            break
+        time.sleep(0.1)
+    with pytest.raises(compare.UserInputError, match=r"another scripts/compare.py is running on .*cmp"):
+        with compare.driver_lock(out):
+            pass
+    os.kill(proc.pid, signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert marker.read_text() == str(int(signal.SIGTERM))  # the stage got the signal and stopped itself
+    assert "stopped by signal 15" in err and "error: stage long failed" in err and proc.returncode != 0
+    assert not (out / "stages" / "long.done").exists()
+    with compare.driver_lock(out):  # released with the driver
+        pass
