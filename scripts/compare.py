@@ -133,13 +133,50 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
     bad = [s for s in cfg.stages if s not in STAGES]
     if bad or not cfg.stages:
         raise UserInputError(f"stages={list(cfg.stages)!r}: expected a non-empty subset of {list(STAGES)}")
+    if not isinstance(cfg.heads_to_run, ListConfig):  # a string was read letter by letter
+        raise UserInputError(f"heads_to_run={cfg.heads_to_run!r} must be a list of names under heads, e.g. "
+                             f"'heads_to_run=[{cfg.heads_to_run}]'")
     for name in cfg.heads_to_run:
         if name not in cfg.heads:
             raise UserInputError(f"heads_to_run: {name!r} has no entry under heads (have {', '.join(cfg.heads)})")
         which = cfg.heads[name].get("cache")
         if which is not None and which not in cache_names(cfg):
             raise UserInputError(f"heads.{name}.cache={which!r}: not a cache of prep (have {', '.join(cache_names(cfg))})")
+    check_stage_overrides(cfg)
     return cfg
+
+
+def check_stage_overrides(cfg: DictConfig) -> None:
+    """Compose every stage's overrides as its entry point will (data prep per cache; training and evaluation per
+    selected head), so an unknown key or a bad value in ``common``, ``prep``, ``train``, ``eval.*overrides`` or
+    a head's ``overrides`` / ``eval`` is refused now, not when its stage starts hours later.
+
+    Raises:
+        UserInputError: naming where the override came from and the entry point's message.
+    """
+    from core.config import ConfigError, compose
+    from evaluation.__main__ import rewrite_argv
+
+    common = [str(o) for o in cfg.get("common") or []]
+    prep = cfg.prep if isinstance(cfg.prep, DictConfig) else {"cache": cfg.prep}
+    plans = [(f"prep{'' if not isinstance(cfg.prep, DictConfig) else '.' + n}", common + [str(o) for o in v])
+             for n, v in prep.items()]
+    for name in cfg.heads_to_run:
+        h = cfg.heads[name]
+        if head_available(str(h.head)):
+            continue  # skipped with its reason when the stages run
+        head = [f"heads={h.head}"]
+        plans.append((f"training of {name} (train, train_budget, heads.{name}.overrides)",
+                      common + head + [str(o) for o in (*cfg.train, *(cfg.get("train_budget") or []), *h.overrides)]))
+        plans.append((f"evaluation of {name} (eval.overrides, eval.quality_overrides, heads.{name}.eval)",
+                      rewrite_argv(common + head + [str(o) for o in (*cfg.eval.overrides,
+                                                                      *(cfg.eval.get("quality_overrides") or []),
+                                                                      *h.get("eval", []))])))
+    for where, args in plans:
+        try:
+            compose(args)
+        except (ConfigError, UserInputError, ValueError) as exc:
+            raise UserInputError(f"{where}: {exc}") from None
 
 
 def cache_names(cfg: DictConfig) -> list[str]:

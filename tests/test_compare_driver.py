@@ -33,9 +33,10 @@ def tiny_setup(tmp_path, tiny_model_dir):
               "prep.batch_tokens=400", "model.dtype=float32"],
         train_max_time=2,
         train=["train.batch_size=4", "train.max_steps=1000", "train.val_every_n_steps=2", "train.logger=csv",
-               "train.sanity_val_steps=0", "train.accelerator=cpu", "train.devices=1", "train.scheduler.warmup_steps=1",
-               "heads.attn_implementation=eager"],
+               "train.sanity_val_steps=0", "train.accelerator=cpu", "train.devices=1", "train.scheduler.warmup_steps=1"],
         heads_to_run=["ctc", "ctc_ce", "notyet"])
+    for name in ("ctc", "ctc_ce"):  # a ctc key: under train it would reach every head (eagle3 has none)
+        cfg["heads"][name]["overrides"] = list(cfg["heads"][name]["overrides"]) + ["heads.attn_implementation=eager"]
     cfg["heads"]["notyet"] = {"head": "notyet", "overrides": [], "eval": []}  # a head with no config or module yet
     cfg["eval"].update(prompts=str(mt), prompts_per_category=2, max_new_tokens=8, shards=2, timing_per_category=1,
                        repeats=2, timing_threads=1, overrides=["eval.warmup=0"])
@@ -131,6 +132,15 @@ def test_compare_driver_bad_config_is_one_line_error(tiny_setup, capsys):
     assert compare.main(["--config", str(config), "nope=1"]) == 2
     assert "'nope=1': not a key=value override" in capsys.readouterr().err
     assert compare.main(["--config", str(config), "heads_to_run=[notyet]"]) == 2
+    # every stage's overrides are composed now: a bad key surfaced only when its stage started, hours later
+    for arg, said in [("heads.ctc.overrides=[heads.nosuch=1]", "training of ctc (train, train_budget, heads.ctc.overrides): "),
+                      ("eval.overrides=[eval.nosuch=1]", "evaluation of ctc (eval.overrides"),
+                      ("common=[model.nosuch=1]", "prep: ")]:
+        assert compare.main(["--config", str(config), arg]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "nosuch" in err, err
+    assert compare.main(["--config", str(config), "heads_to_run=ctc"]) == 2  # a string, read letter by letter
+    assert "heads_to_run='ctc' must be a list of names under heads, e.g. 'heads_to_run=[ctc]'" in capsys.readouterr().err
     # a malformed prompts file is named by line before data prep starts (the evaluation reads it hours later)
     bad = out.parent / "bad_questions.jsonl"
     bad.write_text('{"question_id": 1, "category": "writing", "turns": []}\n')
