@@ -194,6 +194,9 @@ def _tree_checks(cfg: DictConfig) -> None:
     tn = cfg.eval.get("tree_nodes")
     if tn is not None and tn not in list(grid):
         raise ConfigError(f"eval.tree_nodes={tn} must be one of eval.tree_grid={list(grid)}")
+    if tn is not None and cfg.eval.tree == "config":  # the configured tree is decoded as it is: the budget is unused
+        raise ConfigError(f"eval.tree_nodes={tn} sizes the tree of eval.tree=auto or dynamic; eval.tree=config decodes "
+                          "the head's configured tree as it is and would ignore it: drop one of the two")
     for key in ("tree_max_rank", "cost_context_tokens", "calibration_prompts"):
         check_range(cfg, f"eval.{key}", 1, None)
     from decoding.reference import REFERENCE_DRAFTERS

@@ -298,7 +298,7 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
     from core.io import atomic_save_safetensors, make_tmp_dir, output_dir_problem
     from heads.export_engines import VerifierError, base_embedding, resolve_verifier
 
-    out = Path(out)
+    out = Path(out).expanduser().resolve()  # "." or "..": a name to write a sibling temporary folder beside
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: formats are {', '.join(FORMATS)}")
     if verifier is not None and fmt not in VERIFIER_FORMATS:  # it would be ignored: the export records no verifier

@@ -583,8 +583,12 @@ class Driver:
                 print(f"[skip] summary: {n} has no evaluation report yet ({quality[n]})")
             names = [n for n in names if n not in missing]
         entries = [(n, quality[n], self.report_dir(n, "timing", groups[n])) for n in names]
-        print(f"[run ] summary of {', '.join(names) or 'no evaluated head'} -> {self.out / 'summary.md'}")
-        if self.dry_run or not names:
+        if not names:  # it said "[run ] summary of no evaluated head -> summary.md" and wrote nothing
+            print("[skip] summary: no head has an evaluation report yet (run the eval stage first); summary.md not "
+                  "written")
+            return
+        print(f"[run ] summary of {', '.join(names)} -> {self.out / 'summary.md'}")
+        if self.dry_run:
             return
         rows = combine(entries)
         for row, n in zip(rows, names):

@@ -289,7 +289,9 @@ def test_heads_without_a_validation_tau_do_not_stop_the_summary(tmp_path, capsys
     assert "| adadecode |" in (tmp_path / "budget.md").read_text()
     driver.summarize(["adadecode"])  # trained, not evaluated yet: said, and no summary of nothing
     printed = capsys.readouterr().out
-    assert "[skip] summary: adadecode has no evaluation report yet" in printed and "no evaluated head" in printed
+    assert "[skip] summary: adadecode has no evaluation report yet" in printed
+    assert "[skip] summary: no head has an evaluation report yet (run the eval stage first); summary.md not written" \
+        in printed and "[run ] summary" not in printed
     assert not (tmp_path / "summary.md").exists()
 
 

@@ -287,6 +287,17 @@ def test_export_errors(tiny_base, tmp_path, tiny_model_dir):
     (tmp_path / "full" / "f").write_text("x")
     assert main([str(e3), "--format", "vllm", str(tmp_path / "full")]) == 2
     assert main([str(tmp_path / "nope"), "--format", "vllm", str(tmp_path / "y")]) == 2
+    here = tmp_path / "here"  # "." from an empty folder: was "[Errno 22] Invalid argument: '.'"
+    here.mkdir()
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(here)
+    try:
+        assert main([str(e3), "--format", "sglang", "."]) == 0
+    finally:
+        os.chdir(cwd)
+    assert (here / "model.safetensors").is_file() and (here / "config.json").is_file()
 
 
 def _counts_for(ids, V):

@@ -39,6 +39,9 @@ from evaluation.methods import variant_configs
     (["heads=falcon_k1", "eval.max_new_tokens=1"], "eval.max_new_tokens=1 leaves eval.tree=auto's calibration no draft"),
     (["heads=ctc", "eval.calibration_max_new_tokens=1"], "eval.calibration_max_new_tokens=1 must be >= 2"),
     (["eval.calibration_prompts=0"], "eval.calibration_prompts=0 must be >= 1$"),  # was "must lie in [1, None]"
+    # the configured tree is decoded as it is: a node budget beside it was silently ignored
+    (["heads=ctc", "eval.tree=config", "eval.tree_nodes=4"], "eval.tree_nodes=4 sizes the tree of eval.tree=auto or "
+                                                             "dynamic; eval.tree=config .* would ignore it"),
 ])
 def test_bad_decoding_override_names_the_key(args, message):
     with pytest.raises(ConfigError, match=message):
