@@ -14,6 +14,7 @@ The composed config is struct-mode (no new keys) and is validated by :func:`vali
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -108,12 +109,13 @@ def compose(argv: Sequence[str] = ()) -> DictConfig:
         choices[group] = option
     base["choices"] = choices
     OmegaConf.set_struct(base, True)
+    defaults = copy.deepcopy(base)  # a key's type is its default's, not an earlier override's (a wrapper's list, then off)
     for item in overrides:
         key, value = item.split("=", 1)
         try:
             parsed = OmegaConf.from_dotlist([item])
             new = OmegaConf.select(parsed, key)
-            check_override_type(key, OmegaConf.select(base, key, default=None, throw_on_missing=False), new)
+            check_override_type(key, OmegaConf.select(defaults, key, default=None, throw_on_missing=False), new)
             OmegaConf.update(base, key, new, merge=True)
         except (ConfigKeyError, ConfigAttributeError):
             where, valid = _valid_keys(base, key)

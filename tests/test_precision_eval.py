@@ -426,6 +426,10 @@ def test_fastest_vanilla_entries_name_dtype_and_attention():
 
     cli = compose(rewrite_argv(["eval.fastest_vanilla=off"]))
     assert cli.eval.fastest_vanilla is False
+    # an override after a wrapper's: typed by the key's default (auto), not by the earlier override's list
+    assert compose(rewrite_argv(["eval.fastest_vanilla=[float32]", "eval.fastest_vanilla=off"])).eval.fastest_vanilla is False
+    assert list(compose(rewrite_argv(["eval.fastest_vanilla=off", "eval.fastest_vanilla=[bfloat16]"])).eval.fastest_vanilla) \
+        == ["bfloat16"]
     validate(cli)
     assert reference_labels(cli.eval, eager32, "cpu", []) == []
     # the evaluation's own vanilla however it is spelt: its native one-row kernels are the other vanilla
