@@ -336,6 +336,7 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
     if progress.records:
         log.info("resuming: %d prompt turn(s) already decoded in %s", len(progress.records), progress.path)
     van_tokens = van_seconds = van_forwards = 0
+    reused = 0  # prompt turns whose results an earlier launch (or a merged shard) decoded
     acc = [{"stats": [], "rows": [], "tokens": 0, "seconds": 0.0} for _ in methods]
     repeats = int(ev.get("repeats") or 1)
     last_ref: list[int] = []
@@ -366,6 +367,10 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
         tallied = done[:len(acc[0]["rows"])]  # a prompt in flight has no result yet
         state["decoded"] = len(tallied)
         phases["decoding_seconds"] = time.perf_counter() - t_decode
+        # the timed decoding behind every reported turn, this launch's or not (a merged run decodes nothing itself)
+        phases["timed_decoding_seconds"] = (van_seconds + sum(a["seconds"] for a in acc)
+                                            + sum(r["seconds"] for r in ref_tally.values()))
+        phases["turns_decoded_earlier"] = min(reused, len(tallied))
         status = run_status(error, prompts, tallied, done[len(tallied)] if len(done) > len(tallied) else None, phases)
         return _write_outputs(out_dir, methods, acc, identity, device, model, ev, tallied, skipped + skipped_turns,
                               max_new, eos_ids, van_tokens, van_seconds, van_forwards, status, state,
@@ -379,6 +384,7 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
             check_prompts_unchanged(progress.path, progress.records, [p])
         if rec is not None and len(rec["methods"]) != len(decoders):
             rec = None  # decoded with(out) a probe tree this run does not (does): decode it again
+        reused += rec is not None
         if rec is None:
             rec = _decode_prompt(p, reference, decoders, max_new, device, repeats, refs)
             if accountant is not None:

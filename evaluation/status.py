@@ -13,7 +13,10 @@ Every ``report.json`` carries (merged in by :func:`evaluation.runner.run_evaluat
 * ``phases`` — wall-clock seconds of the run's stages: ``planning_seconds`` (all of
   ``eval.tree``'s planning), of which ``cost_model_seconds`` (measuring c(n); 0 when read from the
   cache) and ``calibration_seconds`` (the calibration decode and drafter timing; 0 when cached),
-  and ``decoding_seconds`` (vanilla + every method on the evaluation prompts).
+  and ``decoding_seconds`` (vanilla + every method on the evaluation prompts, in this launch);
+  ``timed_decoding_seconds`` (the timed decoding behind every reported turn: vanilla, the methods
+  and the vanilla references, whichever launch or merged shard decoded it) and
+  ``turns_decoded_earlier`` (turns a resumed or merged run did not decode itself).
 """
 from __future__ import annotations
 
@@ -63,5 +66,9 @@ def phases_line(phases: dict[str, float] | None) -> str:
     """One console line: ``time: planning 12.0 s (c(n) 3.1 s, calibration 8.2 s), decoding 40.3 s``."""
     if not phases:
         return "time: -"
-    return (f"time: planning {phases.get('planning_seconds', 0.0):.1f} s (c(n) {phases.get('cost_model_seconds', 0.0):.1f} s, "
+    line = (f"time: planning {phases.get('planning_seconds', 0.0):.1f} s (c(n) {phases.get('cost_model_seconds', 0.0):.1f} s, "
             f"calibration {phases.get('calibration_seconds', 0.0):.1f} s), decoding {phases.get('decoding_seconds', 0.0):.1f} s")
+    if phases.get("turns_decoded_earlier"):  # resumed or merged: this launch's wall time is not the decoding's
+        line += (f" in this launch; {phases['turns_decoded_earlier']} turn(s) decoded by earlier launches or merged "
+                 f"shards; timed decoding over every turn {phases.get('timed_decoding_seconds', 0.0):.1f} s")
+    return line

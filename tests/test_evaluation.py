@@ -405,6 +405,15 @@ def test_sharded_evaluation_merges_and_resumes_without_redecoding(tiny_base, tin
     assert dec.calls == 0 and [r["id"] for r in full["per_prompt"]] == ["81", "p2", "line3"]
     assert full["vanilla"]["tokens"] == a["vanilla"]["tokens"] + b["vanilla"]["tokens"]
     assert full["parity"]["matched"] == 3
+    # its time line reported only the empty resume pass ("decoding 0.0 s"); the shards' timed decoding is kept
+    ph = full["phases"]
+    assert ph["turns_decoded_earlier"] == 3 and a["phases"]["turns_decoded_earlier"] == 0
+    assert ph["timed_decoding_seconds"] == pytest.approx(a["phases"]["timed_decoding_seconds"]
+                                                         + b["phases"]["timed_decoding_seconds"])
+    assert ph["timed_decoding_seconds"] > ph["decoding_seconds"]  # the resume pass decoded nothing
+    from evaluation.status import phases_line
+
+    assert "3 turn(s) decoded by earlier launches or merged shards; timed decoding over every turn" in phases_line(ph)
     # the shards are untouched, and the merged directory is not overwritten by an unrelated merge
     assert len((tmp_path / "a" / "progress.jsonl").read_text().splitlines()) == 3
     assert merge_main([str(tmp_path / "all"), str(tmp_path / "b")]) == 2
