@@ -31,7 +31,7 @@ from data_prep.front import (SPLITS, SplitConversations, TemplatedConversation, 
 from data_prep.template import end_of_turn_ids, pad_token_id
 from decoding.prepacked import prepack_mode
 
-def _eos_ids_before_model(model_cfg, tokenizer) -> set[int]:
+def eos_ids_before_model(model_cfg, tokenizer) -> set[int]:
     """End-of-turn ids from the tokenizer and the generation config the base will load with, read
     without its weights: the folder's ``generation_config.json``, else the one transformers derives
     from ``config.json`` (``GenerationConfig.from_model_config``, as ``from_pretrained`` does, so a
@@ -495,7 +495,7 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
         from core.base_model import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model)
-    eos_front = end_of_turn_ids(tokenizer, model) if model is not None else _eos_ids_before_model(cfg.model, tokenizer)
+    eos_front = end_of_turn_ids(tokenizer, model) if model is not None else eos_ids_before_model(cfg.model, tokenizer)
     templated = template_split(tokenizer, data, eos_front, max_length)
     if model is None:
         from core.base_model import load_base_model

@@ -450,7 +450,7 @@ def test_end_of_turn_ids_before_the_base_loads_are_the_loaded_bases(tmp_path, da
     base = load_base_model({"path": str(folder), "dtype": "float32", "attn_implementation": "eager"})
     model, tok, _ = base
     assert tok.eos_token_id == 0 and model.config.eos_token_id == 2
-    before = pipeline._eos_ids_before_model(_cfg(folder, data_file, tmp_path).model, load_tokenizer({"path": str(folder)}))
+    before = pipeline.eos_ids_before_model(_cfg(folder, data_file, tmp_path).model, load_tokenizer({"path": str(folder)}))
     assert before == end_of_turn_ids(tok, model) == set(eos_token_ids(tok, model)) == {0, 2}
     caches = []
     for k, given in enumerate((None, base)):
@@ -620,3 +620,29 @@ def test_duplicate_ids_are_dropped_and_counted(tmp_path):
     assert sorted(c.id for c in (*data.train, *data.val)) == [f"conv-{i}" for i in range(6)]
     assert data.stats.dropped["duplicate_id"] == 10  # the first listing's 2 repeats, then all 8 records again
     assert data.stats.examples["duplicate_id"]["message"].startswith("the id of an earlier conversation")
+
+
+def test_length_budget_counts_what_data_prep_would_cut(tiny_base, tiny_model_dir, tmp_path, capsys):
+    """``python -m data_prep.length_budget`` sizes data.max_length before a cache is built: at the configured
+    length its counts are the ones data prep's summary gives for the cache it builds (here no conversation
+    starts past it), and a longer limit cuts no more."""
+    from data_prep.length_budget import main as budget_main
+    from data_prep.pipeline import prepare
+
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps(_conversations(24)))
+    cache = tmp_path / "cache"
+    args = [f"model.path={tiny_model_dir}", "model.dtype=float32", f"data.path={data}", "data.max_conversations=null",
+            "data.heldout_fraction=0.25", "data.max_length=72", "labels=teacher_forced", f"output_root={tmp_path}"]
+    prepare(compose([*args, f"prep.cache_dir={cache}", "prep.progress=false"]), *tiny_base, out=None)
+    summary = json.loads((cache / "summary.json").read_text())
+    assert summary["dropped"].get("no_assistant_tokens", 0) == 0 and summary["tf_cut_turns"] > 0
+    rows = {r["max_length"]: r for r in budget_main(args)}
+    assert sorted(rows) == [72, 512, 1024, 2048, 4096]
+    assert (rows[72]["conversations"], rows[72]["cut_conversations"], rows[72]["turns"], rows[72]["cut_turns"]) == \
+        (summary["tf_conversations"], summary["tf_cut_conversations"], summary["tf_turns"], summary["tf_cut_turns"])
+    assert rows[72]["tokens_kept"] == summary["tokens"]
+    assert rows[512]["cut_turns"] == 0 and rows[512]["cut_conversations"] == 0
+    printed = capsys.readouterr().out
+    assert "| data.max_length | conversations cut | replies not whole | templated tokens kept |" in printed
+    assert f"| 72 | {summary['tf_cut_conversations']:,} / {summary['tf_conversations']:,} (" in printed
