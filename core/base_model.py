@@ -255,26 +255,20 @@ def readable_model_input(source: str, what: str, where: str):
     """Turn a failure to read ``what`` (``"its weights"``, ``"its tokenizer"``, ...) of ``model.path=source``
     from ``where`` into one :class:`core.config.UserInputError` naming both and the reason's first line;
     a missing path stays the ``FileNotFoundError`` :func:`resolve_model_dir` gives."""
+    from safetensors import SafetensorError
+
     from core.config import UserInputError
 
     try:
         yield
     except FileNotFoundError:
         raise
-    except _UNREADABLE + (_safetensor_error(),) as exc:
+    except _UNREADABLE + (SafetensorError,) as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         hint = ("; a base folder needs its tokenizer files (tokenizer.json, or tokenizer.model with sentencepiece) "
                 "beside config.json" if what == "its tokenizer" else "")
         raise UserInputError(f"model.path={source!r}: {what} could not be read from {where} "
                              f"({type(exc).__name__}: {first}){hint}") from exc
-
-
-def _safetensor_error() -> type:
-    try:
-        from safetensors import SafetensorError
-    except ImportError:  # pragma: no cover - safetensors always ships it
-        return OSError
-    return SafetensorError
 
 
 def check_tokenizer_fits(tokenizer, config, source: str) -> None:

@@ -29,6 +29,10 @@ class DamagedFile(OSError):
         return f"{self.filename}: {self.strerror}"
 
 
+#: how to recover a damaged data-prep cache manifest: data prep rewrites it from the shards' sidecars
+MANIFEST_FIX = "rerun data prep with the same settings to rewrite it (its finished shards are kept)"
+
+
 def read_json(path: str | os.PathLike, fix: str = "") -> Any:
     """``json.loads`` of the UTF-8 file ``path``.
 
@@ -196,7 +200,7 @@ def manifest_identity(directory: str | os.PathLike, name: str = "manifest.json")
     path = Path(directory) / name
     if not path.is_file():
         return None
-    m = read_json(path, "rerun data prep with the same settings to rewrite it (its shards are kept)")
+    m = read_json(path, MANIFEST_FIX)
     return {"sha256": sha256_file(path), "records": m.get("num_records"), "tokens": m.get("num_tokens"),
             "config_hash": m.get("config_hash")}
 

@@ -33,12 +33,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from core.io import atomic_save_safetensors, atomic_write_json, read_json, sha256_file, sha256_json
+from core.io import MANIFEST_FIX, atomic_save_safetensors, atomic_write_json, read_json, sha256_file, sha256_json
 
 FORMAT = "draftheads-cache-v1"
 MANIFEST = "manifest.json"
-#: how to recover a damaged manifest: data prep rewrites it from the shards' sidecars
-MANIFEST_FIX = "rerun data prep with the same settings to rewrite it (its finished shards are kept)"
 #: config keys that do not change the cache's content (excluded from the cache hash)
 RUNTIME_KEYS = {"model": ("cache_dir",),
                 "prep": ("cache_dir", "batch_tokens", "gen_batch_size", "prepack_weights", "progress")}

@@ -96,8 +96,7 @@ def _recorded_model_section(root: str | Path | None) -> dict[str, Any]:
 def cache_features(cache_dir: str | Path) -> FeatureDefinition | None:
     """The feature definition of a prepared cache (``<cache_dir>/train/manifest.json``), or None
     when the cache has no manifest yet."""
-    from core.io import read_json
-    from data_prep.cache import MANIFEST_FIX
+    from core.io import MANIFEST_FIX, read_json
 
     path = Path(cache_dir) / "train" / "manifest.json"
     if not path.is_file():

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch
 
 from core.config import UserInputError
-from core.io import atomic_write_json, read_json, sha256_file, sha256_json
+from core.io import MANIFEST_FIX, atomic_write_json, read_json, sha256_file, sha256_json
 from data_prep import cache as cache_mod
 from data_prep.fp8 import FP8_NAME, dequantize_rows, fp8_dtype, quantize_rows
 
@@ -71,7 +71,7 @@ def _check_source(src: Path) -> dict[str, dict[str, Any]]:
         mpath = src / split / cache_mod.MANIFEST
         if not mpath.is_file():
             raise UserInputError(f"{mpath} not found: {src} is not a complete cache (finish `python -m data_prep` first)")
-        manifest = read_json(mpath, cache_mod.MANIFEST_FIX)
+        manifest = read_json(mpath, MANIFEST_FIX)
         if manifest.get("format") != cache_mod.FORMAT:
             raise UserInputError(f"{mpath}: format {manifest.get('format')!r} is not {cache_mod.FORMAT!r}")
         stored = (manifest.get("dtypes") or {}).get("hidden")

@@ -25,8 +25,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from core.io import DamagedFile, atomic_save_safetensors, read_json
-from data_prep.cache import MANIFEST_FIX
+from core.io import MANIFEST_FIX, DamagedFile, atomic_save_safetensors, read_json
 
 FILE = "label_counts.safetensors"
 KEY = "label_counts"

@@ -360,7 +360,7 @@ def shard_inputs_sha256(convs: Sequence[TemplatedConversation]) -> str:
     return h.hexdigest()
 
 
-def check_finished_shards(root: Path, todo, finished: Sequence[bool], base: dict[str, Any]) -> None:
+def check_finished_shards(root: Path, todo, entries: Sequence[dict[str, Any] | None], base: dict[str, Any]) -> None:
     """Refuse to resume a cache whose finished shards were made from other inputs than this run's.
 
     A resumed data prep keeps every finished shard and writes the rest, and the manifest then records
@@ -370,33 +370,29 @@ def check_finished_shards(root: Path, todo, finished: Sequence[bool], base: dict
     :data:`core.base_model.IDENTITY_FIELDS`); a sidecar written before they were recorded is not compared.
 
     Args:
-        root: the cache directory; todo: ``(split, index, convs)`` of this rank; finished: whether each is
-            on disk (:func:`data_prep.cache.finished_entry`); base: the loaded base's identity dict.
+        root: the cache directory; todo: ``(split, index, convs)`` of this rank; entries: each one's sidecar
+            when it is finished on disk, else None (:func:`data_prep.cache.finished_entry`); base: the loaded
+            base's identity dict.
 
     Raises:
         UserInputError: naming the first such shard and what differs; nothing is written.
     """
-    import json
+    from core.base_model import check_same_base
 
-    from core.base_model import IDENTITY_FIELDS
-
-    for (split, k, convs), done in zip(todo, finished):
-        if not done:
+    for (split, k, convs), entry in zip(todo, entries):
+        if entry is None:
             continue
-        side = root / split / f"{cache_mod.shard_name(k)}.json"
-        entry = json.loads(side.read_text())
+        shard = root / split / entry["file"]
         fix = (f"prepare into another prep.cache_dir, or delete {root} to rebuild it; its finished shards are "
                "kept only for the inputs they were made from")
-        recorded = entry.get("base") or {}
-        diffs = [f"{f}: {recorded[f]} -> {base[f]}" for f in IDENTITY_FIELDS
-                 if recorded.get(f) is not None and base.get(f) is not None and str(recorded[f]) != str(base[f])]
+        diffs = check_same_base(entry.get("base"), base, f"cache shard {shard}", "", allow=True)
         if diffs:
-            raise UserInputError(f"cache shard {side.with_suffix('.safetensors')} was made by another base model than "
-                                 f"the one loaded ({'; '.join(diffs)}): {fix}")
+            raise UserInputError(f"cache shard {shard} was made by another base model than the one loaded "
+                                 f"({'; '.join(diffs)}): {fix}")
         if entry.get("inputs_sha256") not in (None, shard_inputs_sha256(convs)):
-            raise UserInputError(f"cache shard {side.with_suffix('.safetensors')} was made from other conversations "
-                                 "or another templating than this run's (the data file, the chat template or the "
-                                 f"tokenizer changed under the same settings): {fix}")
+            raise UserInputError(f"cache shard {shard} was made from other conversations or another templating than "
+                                 "this run's (the data file, the chat template or the tokenizer changed under the same "
+                                 f"settings): {fix}")
 
 
 def refuse_different_cache(root: Path, cfg) -> None:
@@ -547,9 +543,10 @@ def prepare(cfg, model=None, tokenizer=None, identity=None, rank: int | None = N
             return len(conversation_groups(convs))
         return sum(sum(len(s.ids) for s in c.segments) for c in convs)
 
-    finished = [cache_mod.finished_entry(root / split, k, chash) is not None for split, k, _ in todo]
+    entries = [cache_mod.finished_entry(root / split, k, chash) for split, k, _ in todo]
+    finished = [e is not None for e in entries]
     base = identity.to_dict() if hasattr(identity, "to_dict") else dict(identity or {})
-    check_finished_shards(root, todo, finished, base)
+    check_finished_shards(root, todo, entries, base)
     progress = _Progress(sum(size(cs) for _, _, cs in todo), sum(size(cs) for (_, _, cs), f in zip(todo, finished) if f),
                          regen, bool(cfg.prep.progress), rank)
     initial, written = progress.bar.n, 0  # the bar's work: shards on disk, then those written here
@@ -623,13 +620,11 @@ def empty_split_advice(split: str, data: SplitConversations, data_cfg) -> str:
     """What to change when ``split`` came out empty: under ``data.split_key=root``, when the largest root id
     gathers most conversations (enumerated ids such as ``conv_0`` ... ``conv_99``, which are no parts of one
     conversation but share the root ``conv``), ``data.split_key=id``; else the share or the count."""
-    from collections import Counter as _Counter
-
     from data_prep.split import root_id
 
     ids = [c.id for c in (*data.train, *data.val)]
     if str(data_cfg.get("split_key", "root")) == "root" and ids:
-        root, n = _Counter(root_id(i) for i in ids).most_common(1)[0]
+        root, n = Counter(root_id(i) for i in ids).most_common(1)[0]
         if n > 1 and 2 * n >= len(ids):
             return (f"{n} of its {len(ids)} conversations share the root id {root!r} under data.split_key=root, "
                     "which keeps a root's parts on one side; if they are not parts of one conversation, set "

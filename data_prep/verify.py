@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import UserInputError
-from core.io import atomic_write_json, read_json, sha256_file
-from data_prep.cache import MANIFEST_FIX
+from core.io import MANIFEST_FIX, atomic_write_json, read_json, sha256_file
 
 STAMP_FORMAT = "draftheads-verified-v1"
 #: splits smaller than this (bytes of all shards) are hashed at every start, without a stamp

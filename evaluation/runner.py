@@ -36,7 +36,7 @@ from evaluation.fastest_vanilla import build_references, fastest, packed_loader,
 from evaluation.methods import (REFERENCE_DRAFTERS, build_decoder, check_checkpoint_given, checkpoint_label, prepacked_products,
                                 resolve_device, row_consistent_products, variant_configs)
 from evaluation.plots import plot
-from evaluation.progress import (Progress, ResultsMismatch, absolute_paths, check_prompts_unchanged,
+from evaluation.progress import (Progress, ResultsMismatch, absolute_paths, check_progress, check_prompts_unchanged,
                                  progress_fingerprint, prompt_digest)
 from evaluation.probe import ProbeTallies
 from evaluation.prompts import load_prompts, read_jsonl_records
@@ -171,8 +171,6 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
     progress_file = Path(str(cfg.eval.output_dir)) / "progress.jsonl" if cfg.eval.get("output_dir") else None
     prior: dict[str, Any] = {}
     if progress_file is not None and progress_file.is_file():  # results this run may not continue: before the base loads
-        from evaluation.progress import absolute_paths, check_progress, progress_fingerprint
-
         full = absolute_paths(cfg)
         _, prior = check_progress(progress_file, progress_fingerprint(full), full.get("resume"), config=full)
     state: dict[str, Any] = {"prior_records": prior}

@@ -102,8 +102,9 @@ def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_d
     if (problem := output_dir_problem(out)) is not None:
         raise ValueError(f"output {out} cannot be written: {problem}")
     check_destination(out)
+    src_sha256 = sha256_file(src / "model.safetensors")
     if run_dir is not None:
-        check_run_of(src, Path(run_dir))
+        check_run_of(src, Path(run_dir), src_sha256)
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         metadata = dict(f.metadata() or {})
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -115,7 +116,7 @@ def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_d
     meta["extra"]["stored_dtype"] = dtype
     if cache_dir is not None:
         meta["extra"]["cache"] = cache_identity(cache_dir)
-    meta["extra"]["shipped_from"] = {"checkpoint": str(src.resolve()), "sha256": sha256_file(src / "model.safetensors")}
+    meta["extra"]["shipped_from"] = {"checkpoint": str(src.resolve()), "sha256": src_sha256}
     out.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(cast, out / "model.safetensors", metadata={**metadata, "stored_dtype": dtype})
     atomic_write_json(out / "config.json", meta)
@@ -152,9 +153,10 @@ def check_destination(out: Path) -> None:
                          "head: ship into a new or empty folder (a shipped head's folder is replaced)")
 
 
-def check_run_of(src: Path, run_dir: Path) -> None:
+def check_run_of(src: Path, run_dir: Path, src_sha256: str) -> None:
     """``run_dir`` is the training run ``src`` comes from: ``src`` is its ``best/`` or ``last/``, or has the same
-    weights as one of them (a copy).  Another run's record would document the wrong training.
+    weights (``src_sha256``, of its ``model.safetensors``) as one of them (a copy).  Another run's record would
+    document the wrong training.
 
     Raises:
         FileNotFoundError: ``run_dir`` is not a directory.  ValueError: it is another run's.
@@ -164,8 +166,7 @@ def check_run_of(src: Path, run_dir: Path) -> None:
     exports = [run_dir / d for d in ("best", "last") if (run_dir / d / "model.safetensors").is_file()]
     if src.resolve() in [e.resolve() for e in exports]:
         return
-    mine = sha256_file(src / "model.safetensors")
-    if not any(sha256_file(e / "model.safetensors") == mine for e in exports):
+    if not any(sha256_file(e / "model.safetensors") == src_sha256 for e in exports):
         raise ValueError(f"--run {run_dir}: neither its best/ nor its last/ is the checkpoint {src} (other weights): "
                          "pass the run the checkpoint was trained in")
 

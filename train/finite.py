@@ -23,7 +23,6 @@ loss is checked there.
 from __future__ import annotations
 
 import os
-
 from typing import Any, Iterable, Sequence
 
 import torch
