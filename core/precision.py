@@ -89,6 +89,34 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return vendor, flags
 
 
+#: The instruction-set flags that change this project's CPU kernels (bf16 and fp32 matrix products).
+COST_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_identity() -> str:
+    """This CPU as a measured cost depends on it: ``/proc/cpuinfo``'s ``model name``, ``cpu family`` and ``model``
+    of CPU 0 and which of
+    :data:`COST_FLAGS` it has, e.g. ``"AMD EPYC (family 25 model 17) [avx512_bf16 avx512f avx2]"``
+    (``platform.processor()`` where there is no such file).  Keys the cached c(n) measurements
+    (:func:`decoding.cost_model.cost_key`), which must not travel to another CPU with ``output_root``."""
+    import platform
+
+    vendor, flags = _cpuinfo()
+    fields: dict[str, str] = {}
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if not line.strip():
+                break  # CPU 0 only
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip().lower(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or fields.get("cpu model") or vendor or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:  # a VM may name every EPYC alike; family/model tell Zen 3 from 4
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return f"{name} [{' '.join(f for f in COST_FLAGS if f in flags)}]"
+
+
 def _mkldnn_bf16() -> bool:
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -149,7 +149,8 @@ def measure_verify_ms(model, sizes: Sequence[int], context_tokens: int = 256, re
 
 
 def cost_key(identity, model, sizes: Sequence[int], context_tokens: int, repeats: int) -> dict[str, Any]:
-    """What a measurement depends on: base identity, device, dtype, intra-op threads, OpenMP's wait
+    """What a measurement depends on: base identity, device (with the GPU's name or the CPU's model and
+    ISA flags, :func:`core.precision.cpu_identity`), dtype, intra-op threads, OpenMP's wait
     policy, grid, context, and (keys present only then) the ``min_rows`` of prepacked linear weights and
     the layers and chunk rows of row-consistent packing (:mod:`decoding.prepacked`: a packed base
     verifies faster, so its c(n) is its own), and the attention implementation when it is not
@@ -165,6 +166,10 @@ def cost_key(identity, model, sizes: Sequence[int], context_tokens: int, repeats
     device = str(dev)
     if dev.type == "cuda":
         device += f" ({torch.cuda.get_device_name(dev)})"
+    elif dev.type == "cpu":  # c(n) of one CPU model must not size another's trees (a shared or copied output_root)
+        from core.precision import cpu_identity
+
+        device += f" ({cpu_identity()})"
     key = {"base": ident, "device": device, "dtype": str(model.dtype).replace("torch.", ""),
            "threads": int(torch.get_num_threads()), "omp_wait_policy": omp_wait_policy(),
            "sizes": [int(n) for n in sizes],

@@ -136,3 +136,16 @@ def test_interrupted_calibration_resumes_with_the_prompts_not_yet_calibrated(tin
     # machine an untrained head's equal-tau trees can swap)
     for key in ("rank_acceptance", "budget_tau", "steps", "held_out_prompts"):
         assert resumed["statistics"][key] == whole["statistics"][key], key
+
+
+def test_the_cost_model_key_names_the_cpu(tiny_base, monkeypatch):
+    """c(n) measured on one CPU sized the trees of another sharing output_root (TensorRT-LLM#17664's kind)."""
+    import core.precision
+    from decoding.cost_model import cost_key
+
+    model, _, identity = tiny_base
+    here = cost_key(identity, model, [1, 2], 16, 3)
+    assert here["device"] == f"cpu ({core.precision.cpu_identity()})"
+    monkeypatch.setattr(core.precision, "cpu_identity", lambda: "AMD EPYC (family 25 model 1) [avx512f avx2]")
+    other = cost_key(identity, model, [1, 2], 16, 3)
+    assert other["device"] == "cpu (AMD EPYC (family 25 model 1) [avx512f avx2])" and other != here
