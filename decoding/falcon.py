@@ -160,9 +160,13 @@ class FalconTreeTemplate:
                 for r in range(children.get(p, 0)):
                     paths.append(p + (r,))
                     stack.append(p + (r,))
-            unreachable = [k for k in children if k and k[:-1] not in children and k not in paths]
+            # a key no parent's children reach (root: 2 gives ranks 0 and 1, so '5' is none of them) would be
+            # ignored silently; keys past the depth cap are cut, as documented
+            made = set(paths)
+            unreachable = [k for k in children if k and len(k) <= max_depth and k not in made]
             if unreachable:
-                raise ValueError(f"heads.decoding.tree.node_children: paths {unreachable} are not reachable from the root")
+                raise ValueError(f"heads.decoding.tree.node_children: paths {unreachable} are not reachable from the root "
+                                 "(a node's children are ranks 0 .. n-1 of its entry)")
         return cls.from_paths(paths, block_size, max_depth=max_depth)
 
     # -- derived structure --------------------------------------------------------------------

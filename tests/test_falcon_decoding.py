@@ -29,6 +29,16 @@ def test_tree_from_node_children():
     assert t3.num_nodes == 15 and t3.num_passes() == 3 and t3.block_creators() == [[4], [9]]
 
 
+def test_a_node_children_key_that_no_parent_reaches_is_refused():
+    """``{root: 2, '5': 3}`` drafted 2 nodes and ignored rank 5's 3 children without a word."""
+    with pytest.raises(ValueError, match=r"paths \[\(5,\)\] are not reachable from the root"):
+        FalconTreeTemplate.from_config({"node_children": {"root": 2, "5": 3}}, block_size=1, passes=4)
+    with pytest.raises(ValueError, match=r"paths \[\(0, 3\)\] are not reachable"):
+        FalconTreeTemplate.from_config({"node_children": {"root": 2, "0": 1, "0,3": 1}}, block_size=1, passes=4)
+    # past the depth cap a key is cut (documented), not refused
+    assert FalconTreeTemplate.from_config({"node_children": {"root": 1, "0": 1, "0,0": 1}}, 1, 1).num_nodes == 2
+
+
 def test_tree_from_depth_children_and_paths():
     t = FalconTreeTemplate.from_config({"depth_children": [3, 2, 2]}, block_size=1, passes=4)
     assert t.num_nodes == 1 + 3 + 6 + 12
