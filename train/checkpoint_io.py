@@ -170,6 +170,30 @@ def _metadata(data: bytes, source: str) -> dict[str, str]:
     return meta
 
 
+def checkpoint_entry(path: str | os.PathLike, key: str) -> Any:
+    """One top-level entry of a checkpoint written by :func:`dumps`, read from its header alone (no tensor
+    is read): e.g. ``run_config``, the launch's resolved config (:class:`train.resume.RunConfigRecord`).
+    None when the entry is absent or holds tensors.
+
+    Raises:
+        ValueError: ``path`` is not a draftheads checkpoint (its header unreadable).
+    """
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+        if not 0 < n <= 100_000_000:
+            raise ValueError(f"{path}: not a safetensors file")
+        data = head + f.read(n)
+    tree = json.loads(_metadata(data, str(path))[STATE_KEY])
+    value = tree.get(key) if isinstance(tree, dict) else None
+    try:
+        return _decode(value, {})
+    except KeyError:  # a tensor marker: not a plain entry
+        return None
+
+
 class SafetensorsCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` plugin: pickle-free, atomic checkpoint files.
 

@@ -87,6 +87,12 @@ def check_train(cfg: DictConfig) -> None:
     if not (devices == "auto" or _is_int(devices) and (devices >= 1 or devices == -1)
             or isinstance(devices, (ListConfig, list)) and all(_is_int(d) for d in devices)):
         raise ConfigError(f"train.devices={devices!r} must be auto, a positive integer, -1 or a list of device ids")
+    if isinstance(devices, (ListConfig, list)) and str(cfg.train.accelerator) in ("auto", "cpu"):
+        import torch
+
+        if str(cfg.train.accelerator) == "cpu" or not torch.cuda.is_available():
+            raise ConfigError(f"train.devices={list(devices)!r}: a list names GPU ids, and this run trains on the CPU, "
+                              "where train.devices counts processes: auto, 1, 2, ... or -1 (one per core)")
     check_choice(cfg, "train.logger", LOGGERS)
     if not isinstance(cfg.train.wandb_project, str) or not cfg.train.wandb_project:
         raise ConfigError(f"train.wandb_project={cfg.train.wandb_project!r} must be a non-empty string")
@@ -129,6 +135,10 @@ def check_accelerator_and_precision(cfg: DictConfig) -> None:
 STRATEGIES = ("auto", "ddp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
 
 
+#: ``strategy.bucket_size``'s default (configs/strategy/*.yaml): set otherwise outside ZeRO, it is refused.
+ZERO_BUCKET = 50_000_000
+
+
 @register_validator
 def check_strategy_and_resume(cfg: DictConfig) -> None:
     """Validate ``cfg.strategy`` (train/strategies.py) and the top-level ``resume``."""
@@ -140,8 +150,15 @@ def check_strategy_and_resume(cfg: DictConfig) -> None:
             raise ConfigError(f"strategy.zero_stage={s.get('zero_stage')!r} must be 1, 2 or 3 for strategy.name={s.name}")
         if not zero and s.get("zero_stage") is not None:
             raise ConfigError(f"strategy.zero_stage={s.zero_stage!r} needs a deepspeed_zero* strategy (got {s.name})")
-        if not zero and s.get("offload_optimizer"):
-            raise ConfigError(f"strategy.offload_optimizer=true needs a deepspeed_zero* strategy (got {s.name})")
+        # a key of another strategy would be ignored silently: refused where it is set off its default
+        if not zero:
+            for key, default in (("offload_optimizer", False), ("overlap_comm", False), ("bucket_size", ZERO_BUCKET)):
+                if s.get(key, default) != default:
+                    raise ConfigError(f"strategy.{key}={s.get(key)!r} needs a deepspeed_zero* strategy (got {s.name}), "
+                                      "which is the only one that reads it")
+        if s.name != "ddp" and s.get("find_unused_parameters"):
+            raise ConfigError(f"strategy.find_unused_parameters=true needs strategy=ddp (got {s.name}), which is the "
+                              "only one that reads it")
         check_choice(cfg, "strategy.process_group_backend", ("auto", "nccl", "gloo", "mpi"))
         check_range(cfg, "strategy.timeout_minutes", 0.1)
         _check_int(cfg, "strategy.bucket_size", 1)

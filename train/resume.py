@@ -37,6 +37,17 @@ def last_checkpoint(run_dir: str | Path) -> Path | None:
     return max(found, key=lambda p: (p.stat().st_mtime, p.name)) if found else None
 
 
+def run_dir_of(checkpoint: Path) -> Path | None:
+    """The run directory a checkpoint file belongs to: ``<run>/checkpoints/*.ckpt`` and Lightning's Slurm
+    ``<run>/hpc_ckpt_<n>.ckpt`` (:func:`last_checkpoint`); None for a file anywhere else."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.parent.name == "checkpoints":
+        return checkpoint.parent.parent
+    if checkpoint.name.startswith("hpc_ckpt_"):
+        return checkpoint.parent
+    return None
+
+
 def resolve_resume(cfg: Any, run_dir_for) -> tuple[Path | None, Path | None]:
     """Resolve ``cfg.resume`` to ``(checkpoint file or None, run directory to use or None)``.
 
@@ -60,7 +71,7 @@ def resolve_resume(cfg: Any, run_dir_for) -> tuple[Path | None, Path | None]:
         if not found:
             return None, None
         newest = max(found, key=lambda p: (p.stat().st_mtime, str(p)))
-        return newest, newest.parent.parent
+        return newest, run_dir_of(newest)
     path = Path(str(value))
     if path.is_dir():
         ck = last_checkpoint(path) or (path / LAST if (path / LAST).is_file() else None)
@@ -69,7 +80,7 @@ def resolve_resume(cfg: Any, run_dir_for) -> tuple[Path | None, Path | None]:
         path = ck
     if not path.is_file():
         raise FileNotFoundError(f"resume={value}: no such checkpoint file or run directory")
-    run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
+    run_dir = run_dir_of(path)
     from core.config import UserInputError
 
     named = Path(run_dir_for(cfg)) if cfg.train.get("run_name") else None
@@ -174,7 +185,9 @@ class RunCheckpoint(ModelCheckpoint):
         Lightning keeps the top-k ranking only when the checkpoint's ``dirpath`` equals this run's; else
         it forgets the scores but keeps the old ``best_model_path``, so the first validation after the
         resume became ``best/`` whatever its τ.  A run folder is moved whole: the paths under the old
-        ``dirpath`` are mapped to the same names under this one, and the ranking is restored."""
+        ``dirpath`` are mapped to the same names under this one, and the ranking is restored.  A file that
+        is not under the new folder but still under the old one (a checkpoint copied out of its run and
+        resumed from there) keeps its old path."""
         old = state_dict.get("dirpath")
         if old is None or self.dirpath is None or os.path.normpath(old) == os.path.normpath(self.dirpath):
             return super().load_state_dict(state_dict)
@@ -183,7 +196,9 @@ class RunCheckpoint(ModelCheckpoint):
             if not path:
                 return path
             rel = os.path.relpath(path, old)
-            return path if rel.startswith("..") else os.path.join(self.dirpath, rel)
+            new = path if rel.startswith("..") else os.path.join(self.dirpath, rel)
+            # a checkpoint copied out of its run (resume=<file>): the ranked files stay in the old folder
+            return path if not os.path.exists(new) and os.path.exists(path) else new
 
         state = dict(state_dict, dirpath=self.dirpath,
                      best_model_path=moved(state_dict.get("best_model_path")),
@@ -363,11 +378,12 @@ def _slurm_requeue(trainer) -> None:
 #: one run: where and how it runs and logs, not what it trains.  Everything else - the head
 #: (``heads.*``), base model (``model.*``), data and cache (``data.*``, ``prep.*``, ``labels``,
 #: ``train.cache_dir``), ``seed`` and the training settings (budgets, batch, optimizer, schedule,
-#: accumulation, precision, validation cadence) - defines the run and is refused.
+#: accumulation, precision, validation cadence) - defines the run and is refused.  The strategy may
+#: change (``auto`` <-> ``ddp``) but not its ZeRO stage: :func:`check_resume_strategy`.
 MAY_CHANGE_ON_RESUME = (
     "resume", "output_root", "train.run_name", "train.devices", "train.num_nodes", "train.accelerator",
     "train.logger", "train.wandb_project", "train.progress_bar", "train.log_every_n_steps", "train.num_workers",
-    "train.sanity_val_steps", "train.verify_cache", "strategy.*", "eval.*",
+    "train.sanity_val_steps", "train.verify_cache", "strategy.*", "choices.strategy", "eval.*",
 )
 
 #: Keys added to the config after runs were recorded without them, with the value that trains as
@@ -407,24 +423,53 @@ def _data_prep_defaults() -> dict[str, Any]:
             for k in FEATURE_CONFIG_KEYS}
 
 
-def check_resume_config(cfg: Any, run_dir: str | Path) -> None:
+class RunConfigRecord(Callback):
+    """Carries the launch's resolved config in every checkpoint (``checkpoint["run_config"]``), so a
+    checkpoint resumed away from its run folder (``resume=<copied file>``) is checked against what it was
+    trained with (:func:`check_resume_config`), not against nothing."""
+
+    def __init__(self, cfg: Any) -> None:
+        from core.config import to_container
+
+        self.config = to_container(cfg)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        checkpoint["run_config"] = self.config
+
+
+def check_resume_config(cfg: Any, run_dir: str | Path, ckpt_path: str | Path | None = None) -> None:
     """Refuse to resume ``run_dir`` with a config that changes what the run trains.
 
     Compares the resolved ``cfg`` with the run's recorded ``config.yaml`` (written by its first
-    launch) and raises before anything is written.  A run directory without ``config.yaml`` is
-    not checked.
+    launch), or where the run directory has none (a checkpoint resumed away from its run folder),
+    with the config the checkpoint ``ckpt_path`` carries (:class:`RunConfigRecord`), and raises before
+    anything is written.
 
     Raises:
-        UserInputError: names every changed key with its recorded and new value.
+        UserInputError: names every changed key with its recorded and new value; or neither record
+            exists (a checkpoint from before checkpoints carried their config, away from its run folder).
     """
     from omegaconf import OmegaConf
 
     from core.config import UserInputError, to_container
 
     path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        return
-    recorded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if path.is_file():
+        recorded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    else:
+        from train.checkpoint_io import checkpoint_entry
+
+        try:
+            recorded = checkpoint_entry(ckpt_path, "run_config") if ckpt_path else None
+        except (OSError, ValueError):
+            recorded = None  # unreadable: the full load names the damage
+        if not isinstance(recorded, dict):
+            if ckpt_path is None:
+                return
+            raise UserInputError(f"resume={ckpt_path} refused: neither {path} nor the checkpoint records the config it "
+                                 "was trained with, so this launch's settings cannot be checked against it; resume it "
+                                 "from its run folder (resume=<run dir>), or start a new run from its weights")
+        path = Path(ckpt_path)
     current = to_container(cfg)
     if recorded.get("train", {}).get("precision") == "auto":
         # recorded before auto was resolved: train.run.resolve_run_precision gives it its old meaning
@@ -602,3 +647,34 @@ def check_resume_world_size(checkpoint: dict[str, Any], ckpt_path: str | Path, w
             f"LR schedule and RNG states belong to {saved} ranks: on {world_size} some batches would be trained "
             f"twice or never. Resume with {saved} rank(s) in all, or start a new run (another train.run_name)")
 
+
+
+def saved_zero_stage(checkpoint: dict[str, Any]) -> int:
+    """The ZeRO stage a checkpoint was written under (its ``zero`` entry, :mod:`train.zero_checkpoint`), 0 for none."""
+    zero = checkpoint.get("zero")
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+
+def check_resume_strategy(checkpoint: dict[str, Any], ckpt_path: str | Path, stage: int) -> None:
+    """Refuse a resume under another ZeRO stage than the checkpoint was written under.
+
+    ``strategy.*`` may change on resume (``auto`` <-> ``ddp``: both keep the whole optimizer state in the
+    checkpoint), but ZeRO's optimizer partitions are stage- and rank-local (:mod:`train.zero_checkpoint`),
+    and a plain checkpoint holds no partitions for ZeRO to load: Lightning's and DeepSpeed's own errors
+    there were tracebacks that blamed ``save_weights_only``.
+
+    Raises:
+        UserInputError: the stages differ (0 = no ZeRO); names both and the ``strategy=`` that resumes it,
+            before anything is written.
+    """
+    from core.config import UserInputError
+
+    saved = saved_zero_stage(checkpoint)
+    if saved != int(stage):
+        def name(n: int) -> str:
+            return f"ZeRO-{n}" if n else "no ZeRO (auto/ddp)"
+
+        way = f"strategy=deepspeed_zero{saved}" if saved else "strategy=auto (or strategy=ddp)"
+        raise UserInputError(f"resume from {ckpt_path} refused: it was written under {name(saved)} and this launch "
+                             f"runs {name(int(stage))}; a ZeRO stage keeps its own optimizer partitions, so resume "
+                             f"with {way}")

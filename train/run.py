@@ -37,7 +37,7 @@ from train.checkpoint_io import SafetensorsCheckpointIO
 from train.data import CacheDataModule
 from train.module import DraftHeadModule, head_monitor
 from train.resume import Preempted, check_resume_config, record_launch
-from train.run_dirs import run_dir_for
+from train.run_dirs import claimed_run_dir, holds_run, named_by_time, run_dir_for
 from train.run_logs import record_wandb_run_id
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
@@ -89,14 +89,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
     from train.val_schedule import NEVER, ValidationSchedule
 
     val_kind = str(t.get("val_schedule", "steps"))
-    if val_kind == "steps" and int(t.max_steps) > 0 and int(t.max_steps) % int(t.val_every_n_steps):
-        from lightning.pytorch.utilities import rank_zero_warn
-
-        rank_zero_warn(f"train.max_steps={t.max_steps} is not a multiple of train.val_every_n_steps="
-                       f"{t.val_every_n_steps}: the last {int(t.max_steps) % int(t.val_every_n_steps)} steps are "
-                       "never validated, so best/ cannot be the final weights (last/ always is)")
     monitor, mode = head_monitor(heads.registry.head_class(str(cfg.heads.type)))
-    from train.resume import DataPosition, Preemption, RunCheckpoint
+    from train.resume import DataPosition, Preemption, RunCheckpoint, RunConfigRecord
     from train.strategies import DistributedInfo, trainer_kwargs
 
     ckpt = RunCheckpoint(dirpath=str(run_dir / "checkpoints"), monitor=monitor, mode=mode,
@@ -106,7 +100,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
     schedule = ValidationSchedule(val_kind, int(t.val_every_n_steps), int(t.get("val_first_tokens", 32768)),
                                   float(t.get("val_factor", 2.0)), run_dir=run_dir, monitor=monitor, mode=mode,
                                   checkpoint_dir=run_dir / "checkpoints")
-    cbs = [ckpt, DataPosition(), schedule, Preemption(ckpt), DistributedInfo(), *(callbacks or [])]
+    cbs = [ckpt, DataPosition(), schedule, Preemption(ckpt), DistributedInfo(), RunConfigRecord(cfg),
+           *(callbacks or [])]
     if bool(t.progress_bar):
         from train.run_logs import StepProgressBar
 
@@ -175,7 +170,9 @@ def export_checkpoints(trainer: pl.Trainer, module: DraftHeadModule, ckpt_cb, ru
                        identity: dict[str, Any], head=None, extra: dict[str, Any] | None = None) -> dict[str, Path]:
     """Export ``<run_dir>/last`` (the final weights) and ``<run_dir>/best`` (the best monitored checkpoint).
 
-    Only global rank 0 writes.  ``best`` falls back to the final weights when no validation ran.
+    Only global rank 0 writes.  ``best`` falls back to the final weights when no validation ran; when
+    validations ran but the best one's checkpoint file is gone (deleted, or a run copied without it), an
+    existing ``best/`` is left as it was and none is made up from the final weights (one line says so).
     ``extra`` is added to both exports' ``config.json`` ``extra`` (:func:`train`: ``features``, the
     feature definition the head was trained on, and ``precision``, the training precision that ran).
     Returns the written directories by name.
@@ -201,6 +198,15 @@ def export_checkpoints(trainer: pl.Trainer, module: DraftHeadModule, ckpt_cb, ru
                  "score": float(score) if score is not None else None}
         out["best"] = export_head(head, run_dir / "best", identity, extra)
         head.load_state_dict(final, strict=True)
+    elif best_path:  # validations ran, but the best one's checkpoint is gone: never relabel the final weights
+        from core.precision import note
+
+        kept = run_dir / "best" / "model.safetensors"
+        note(f"the best validation's checkpoint {best_path} is missing, so {run_dir / 'best'} is "
+             + ("left as it was (exported from it earlier)" if kept.is_file() else "not written")
+             + f"; {run_dir / 'last'} holds the final weights")
+        if kept.is_file():
+            out["best"] = run_dir / "best"
     else:
         out["best"] = export_head(head, run_dir / "best", identity, {**common, "checkpoint": "last-no-validation"})
     return out
@@ -236,7 +242,6 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     """
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     from train.resume import resolve_resume
-    from train.strategies import consolidated_head
 
     resume_path, resume_dir = resolve_resume(cfg, run_dir_for)  # resume=auto|<path>
     online = str(cfg.train.get("features", "offline")) != "offline"
@@ -266,10 +271,21 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         cache_def = FeatureDefinition.from_manifest(reader.manifest, Path(reader.directory).parent)
     ckpt_path = ckpt_path or (str(resume_path) if resume_path else None)
     run_dir = resume_dir or run_dir_for(cfg)
+    by_time = resume_dir is None and named_by_time(cfg)
+    with claimed_run_dir(run_dir, by_time=by_time and ckpt_path is None, rank=rank_zero_only.rank) as run_dir:
+        return _train_in(cfg, run_dir, ckpt_path, model, tokenizer, identity, identity_dict, online, datamodule,
+                         features, cache_def, callbacks)
+
+
+def _train_in(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, model, tokenizer, identity, identity_dict,
+              online: bool, datamodule, features, cache_def, callbacks) -> dict[str, Any]:
+    """The rest of :func:`train`, inside the claimed run directory."""
+    from train.strategies import consolidated_head
+
     if ckpt_path is None:
-        refuse_existing_run(run_dir)
+        refuse_existing_run(run_dir, resume_asked=str(cfg.get("resume")) == "auto")
     else:
-        check_resume_config(cfg, run_dir)
+        check_resume_config(cfg, run_dir, ckpt_path)
     try:  # a bad heads/train value is the user's to fix: one line, and no run directory left behind
         head_cfg = cfg.heads
         if online and str(head_cfg.get("draft_vocab_size")) == "auto":
@@ -298,7 +314,11 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
     resume_step = int(resume_from.get("global_step", 0)) if resume_from is not None else None
     # its loggers and callbacks write lazily
     trainer, ckpt_cb = build_trainer(cfg, run_dir, callbacks, resume_step=resume_step)
-    if resume_from is not None:  # so is one written on another number of ranks
+    if resume_from is not None:  # so is one written on another number of ranks, or under another ZeRO stage
+        from train.resume import check_resume_strategy
+        from train.strategies import zero_stage
+
+        check_resume_strategy(resume_from, ckpt_path, zero_stage(cfg))
         check_resume_world_size(resume_from, ckpt_path, trainer.world_size)
     del resume_from
     run_dir.mkdir(parents=True, exist_ok=True)  # validated first, so a refused run leaves no directory
@@ -521,20 +541,27 @@ def check_layers_held(head_type: str, need, have, where: str) -> None:
                              f"(python -m data_prep {override('prep.layers', need)} ...)")
 
 
-def refuse_existing_run(run_dir: Path) -> None:
-    """Refuse to start a fresh run where a run already left checkpoints or exported heads.
+def refuse_existing_run(run_dir: Path, resume_asked: bool = False) -> None:
+    """Refuse to start a fresh run where a run already left checkpoints or exported heads
+    (``resume_asked``: ``resume=auto`` was given but found no ``last.ckpt``, so the message names the
+    newest step checkpoint instead of asking for ``resume=auto``).
 
     Raises:
         UserInputError: ``run_dir`` holds ``checkpoints/*.ckpt``, ``best/`` or ``last/`` (nothing
             is overwritten; the message says to resume or rename).
     """
-    found = sorted(str(p.relative_to(run_dir)) for p in [*run_dir.glob("checkpoints/*.ckpt"),
-                                                          run_dir / "best" / "model.safetensors",
-                                                          run_dir / "last" / "model.safetensors"] if p.is_file())
-    if found:
+    if holds_run(run_dir):
+        found = sorted(str(p.relative_to(run_dir)) for p in [*run_dir.glob("checkpoints/*.ckpt"),
+                                                              run_dir / "best" / "model.safetensors",
+                                                              run_dir / "last" / "model.safetensors"] if p.is_file())
+        steps = sorted(run_dir.glob("checkpoints/step*.ckpt"))
+        if resume_asked and steps:  # resume=auto found no last.ckpt: say so, and name what can continue it
+            way = (f"resume=auto found no checkpoints/last.ckpt there; continue from its newest step checkpoint "
+                   f"with resume={steps[-1]}")
+        else:
+            way = "pass resume=auto to continue it"
         raise UserInputError(f"run directory {run_dir} already holds a run ({', '.join(found[:3])}"
-                             f"{', ...' if len(found) > 3 else ''}): pass resume=auto to continue it, "
-                             "or choose another train.run_name")
+                             f"{', ...' if len(found) > 3 else ''}): {way}, or choose another train.run_name")
 
 
 def check_cache_exists(cfg: DictConfig, cache_dir: Path) -> None:

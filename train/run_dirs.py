@@ -5,9 +5,12 @@ looks for the newest ``checkpoints/last.ckpt`` among the runs of the same heads 
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import time
 from pathlib import Path
+from typing import Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,6 +36,86 @@ def run_dir_for(cfg: DictConfig) -> Path:
             or time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
     os.environ[RUN_NAME_ENV] = f"{name}:{os.getpid()}"
     return runs_root(cfg) / str(name)
+
+
+def named_by_time(cfg: DictConfig) -> bool:
+    """True when :func:`run_dir_for` names the run by the clock (no run name given, inherited or from Slurm):
+    two such runs started in the same second would otherwise share one directory."""
+    inherited = os.environ.get(RUN_NAME_ENV, "")
+    child = ":" in inherited and inherited.rsplit(":", 1)[1] == str(os.getppid())
+    return not (cfg.train.run_name or child or os.environ.get("SLURM_JOB_ID"))
+
+
+def holds_run(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds checkpoints or exported heads (what a fresh run must not overwrite)."""
+    return any(p.is_file() for p in [*run_dir.glob("checkpoints/*.ckpt"), run_dir / "best" / "model.safetensors",
+                                     run_dir / "last" / "model.safetensors"])
+
+
+@contextlib.contextmanager
+def claimed_run_dir(run_dir: Path, by_time: bool = False, rank: int = 0) -> Iterator[Path]:
+    """Hold ``run_dir`` for this training process: an exclusive ``flock`` on ``<runs root>/.<name>.lock``
+    (with its pid inside), taken by global rank 0 only and released when the block ends or the process dies.
+
+    Two launches in one directory - a run started twice, a resume beside the still-running run, two
+    clock-named runs started in the same second - would interleave their checkpoints, ``config.yaml`` and
+    ``best/``.  A clock-named run (``by_time``) whose directory is taken or already holds a run moves on to
+    ``<name>-2``, ``<name>-3``, ... (``$DRAFTHEADS_RUN_NAME`` follows, so Lightning's other ranks agree); any
+    other run is refused.  Ranks > 0 share rank 0's claim and yield ``run_dir`` unchanged.  The lock file is
+    removed (while still locked) at the end, and so are the folders the claim created if the run left them
+    empty: a refused launch leaves nothing behind.
+
+    Raises:
+        core.config.UserInputError: another live process holds the directory (its pid named).
+    """
+    from core.config import UserInputError
+
+    if rank != 0:
+        yield run_dir
+        return
+    made, d = [], run_dir.parent
+    while not d.exists():  # the folders this claim creates, deepest first
+        made.append(d)
+        d = d.parent
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    base, n = run_dir, 1
+    while True:
+        lock = run_dir.parent / f".{run_dir.name}.lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if not by_time:
+                raise UserInputError(f"run directory {run_dir} is in use by another training process (pid {owner}): "
+                                     "wait for it to end, or choose another train.run_name") from None
+        else:
+            try:
+                current = os.stat(lock).st_ino
+            except FileNotFoundError:
+                current = None
+            if current != os.fstat(fd).st_ino:  # its holder removed the file as we opened it: take the new one
+                os.close(fd)
+                continue
+            if not (by_time and holds_run(run_dir)):
+                break
+            os.unlink(lock)
+            os.close(fd)
+        n += 1
+        run_dir = base.with_name(f"{base.name}-{n}")
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        if run_dir != base:
+            os.environ[RUN_NAME_ENV] = f"{run_dir.name}:{os.getpid()}"
+        yield run_dir
+    finally:
+        os.unlink(lock)  # still locked: a process that opened the old file sees it gone and retries
+        os.close(fd)
+        for d in made:  # the runs folders this claim created, if nothing else landed in them
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
 
 def runs_root(cfg: DictConfig) -> Path:

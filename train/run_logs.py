@@ -98,14 +98,26 @@ class ContinuingCSVLogger(CSVLogger):
 
 def wandb_run_id(run_dir: str | os.PathLike) -> str:
     """The run directory's W&B run id: the one recorded in ``<run_dir>/wandb_run_id``, else a W&B
-    sweep agent's ``$WANDB_RUN_ID``, else a new random id (recorded by :func:`record_wandb_run_id`
-    once the run directory exists)."""
+    sweep agent's ``$WANDB_RUN_ID`` (with ``$WANDB_SWEEP_ID`` set, as ``wandb agent`` sets both), else a
+    new random id (recorded by :func:`record_wandb_run_id` once the run directory exists).
+
+    A ``$WANDB_RUN_ID`` outside a sweep (left exported in a shell, a job script) is not taken: every run
+    started under it would log into one W&B run (``resume="allow"`` merges them); one line says so.
+    """
     path = Path(run_dir) / RUN_ID_FILE
     if path.is_file():
         value = path.read_text().strip()
         if value:
             return value
-    return os.environ.get("WANDB_RUN_ID") or secrets.token_hex(4)
+    stray = os.environ.get("WANDB_RUN_ID")
+    if stray and os.environ.get("WANDB_SWEEP_ID"):
+        return stray
+    if stray:
+        from core.precision import note
+
+        note(f"WANDB_RUN_ID={stray} is set outside a W&B sweep (no WANDB_SWEEP_ID): not taken, so runs do not "
+             f"merge into one W&B run; this run's id is in {path} (a resume continues it)")
+    return secrets.token_hex(4)
 
 
 def record_wandb_run_id(run_dir: str | os.PathLike, loggers: list) -> None:

@@ -102,14 +102,43 @@ def in_slurm_job() -> bool:
     return SLURMEnvironment.detect()
 
 
+def check_slurm_tasks() -> None:
+    """Refuse ``srun`` tasks that Lightning would not run as ranks of one job.
+
+    Lightning's ``SLURMEnvironment`` ignores Slurm when the job is named ``bash`` or ``interactive``
+    (``salloc``'s and ``srun --pty bash``'s default names): each of the ``SLURM_NTASKS`` tasks then trains
+    its own single-process copy into the same run directory (Lightning's hint about it is among the
+    warnings core.quiet silences).
+
+    A plain ``python -m train`` in an interactive allocation (no ``srun``, or ``srun --pty bash``'s one task)
+    is Lightning's interactive mode and passes: there Lightning starts ``train.devices`` processes itself.
+
+    Raises:
+        core.config.UserInputError: this process is one of several tasks of one ``srun`` step
+            (``SLURM_STEP_NUM_TASKS`` > 1) of such a job.
+    """
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from core.config import UserInputError
+
+    tasks = _env_int("SLURM_STEP_NUM_TASKS") or 1
+    if tasks > 1 and "SLURM_PROCID" in os.environ and "LOCAL_RANK" not in os.environ and not in_slurm_job():
+        raise UserInputError(f"{tasks} srun tasks of the Slurm job named {SLURMEnvironment.job_name()!r}: Lightning "
+                             "ignores Slurm for jobs named bash or interactive, so each task would train its own copy; "
+                             "submit with sbatch (slurm/*.sh), or start the tasks with srun --job-name=<another name>")
+
+
 def resolve_devices(value: Any, accelerator: str, num_nodes: int) -> int | list[int]:
-    """Processes per node (``train.devices``); an int or a list of device ids passes through.
+    """Processes per node (``train.devices``); an int or a list of device ids passes through, but ``-1`` on a
+    CPU (Lightning's "every device", which its CPU accelerator refuses) is one process per core.
 
     ``auto`` -> inside Slurm ``SLURM_NTASKS_PER_NODE`` (else ``SLURM_NTASKS / nodes``); under an
     external launcher that set ``LOCAL_RANK``: ``LOCAL_WORLD_SIZE`` or ``WORLD_SIZE / nodes``; on
     GPUs the visible GPU count; else 1.  Lightning checks that this equals the launched tasks.
     """
     if value != "auto":
+        if accelerator == "cpu" and isinstance(value, (int, str)) and int(value) == -1:  # Lightning's "all devices"; on a CPU one process per core
+            return len(os.sched_getaffinity(0))
         return int(value) if isinstance(value, (int, str)) else [int(v) for v in value]
     if in_slurm_job():
         per_node = _env_int("SLURM_NTASKS_PER_NODE")
@@ -438,6 +467,7 @@ def trainer_kwargs(cfg: Any) -> dict[str, Any]:
     clip_value, clip_algorithm = _grad_clip(cfg)
     if isinstance(strategy, ZeroStrategy) and clip_algorithm == "value":
         clip_value, clip_algorithm = None, None
+    check_slurm_tasks()
     devices = resolve_devices(cfg.train.devices, accelerator, num_nodes)
     if accelerator == "cpu" and (line := cpu_oversubscription(devices)):
         from lightning.pytorch.utilities import rank_zero_only
@@ -482,9 +512,9 @@ def shutdown_distributed() -> bool:
 
 
 def zero_stage(cfg: Any) -> int:
-    """ZeRO stage of ``cfg.strategy`` (0 for ``auto`` / ``ddp``); logged with every run."""
+    """ZeRO stage of ``cfg.strategy`` (0 for ``auto`` / ``ddp``, whatever ``zero_stage`` says); logged with every run."""
     stage = cfg.strategy.get("zero_stage")
-    return int(stage) if stage else 0
+    return int(stage) if stage and str(cfg.strategy.get("name", "")).startswith("deepspeed") else 0
 
 
 def consolidated_head(trainer, module):

@@ -89,6 +89,21 @@ def best_validation(validations: list[dict[str, Any]], monitor: str, mode: str) 
     return max(scored, key=lambda v: (sign * v["metrics"][name], -v["step"]))
 
 
+def unvalidated_tail(total_steps: int, every_n_steps: int) -> str | None:
+    """The warning owed by ``train.val_schedule=steps`` when the run's optimizer-step budget (a step budget,
+    or an epoch budget's steps) is not a multiple of ``train.val_every_n_steps``, else None: its last steps
+    are never validated, and a budget below the interval is never validated at all."""
+    if total_steps <= 0 or total_steps % every_n_steps == 0:
+        return None
+    if total_steps < every_n_steps:
+        return (f"the run has {total_steps} optimizer steps, fewer than train.val_every_n_steps={every_n_steps}: "
+                "it is never validated, so best/ will be the final weights (checkpoint last-no-validation); lower "
+                "train.val_every_n_steps or use train.val_schedule=log (which validates at the last step)")
+    return (f"the run has {total_steps} optimizer steps, not a multiple of train.val_every_n_steps={every_n_steps}: "
+            f"the last {total_steps % every_n_steps} steps are never validated, so best/ cannot be the final weights "
+            "(last/ always is)")
+
+
 def _int_list(value: Any) -> list[int] | None:
     """A checkpoint's ``threads`` / ``world_size``: None (unknown), an int (one segment) or a list."""
     if value is None:
@@ -168,6 +183,10 @@ class ValidationSchedule(Callback):
         self._total = int(pl_module.total_steps()) if hasattr(pl_module, "total_steps") else int(trainer.max_steps)
         if self.kind == "log":
             trainer.val_check_batch = NEVER
+        elif (line := unvalidated_tail(self._total, self.every_n_steps)) and trainer.global_step < self._total:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(line)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         self._batch_started = time.perf_counter()
