@@ -291,6 +291,18 @@ def _eagle3_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[
 EXPLICIT_TREE_KEYS = {"falcon": ("falcon_tree", "tree"), "ctc": ("max_nodes", "tree"),
                       "eagle3": ("decoding.total_tokens", "budget")}
 
+def drafted_tree(drafter) -> dict[str, int]:
+    """``{"nodes", "depth"}`` of the tree a drafter drafts as configured (Falcon: its template after the
+    depth cap of ``passes x k``; CTC: its node cap, depth -1), or ``{}`` for a drafter without one: what an
+    evaluation that sizes nothing (``eval.tree=config``, an explicit tree) records in ``report["tree"]``."""
+    template = getattr(drafter, "template", None)
+    if template is not None and hasattr(template, "num_nodes"):
+        return {"nodes": int(template.num_nodes), "depth": int(template.max_depth)}
+    if getattr(drafter, "max_nodes", None) is not None:
+        return {"nodes": int(drafter.max_nodes), "depth": -1}
+    return {}
+
+
 # head type -> (setup(head, eval) -> dict with calibration_kwargs, choose(setup, stats, cost, eval))
 PLANNERS: dict[str, tuple[Callable, Callable]] = {"falcon": (_falcon_setup, _falcon_choose), "ctc": (_ctc_setup, _ctc_choose),
                                                   "eagle3": (_eagle3_setup, _eagle3_choose)}
@@ -327,7 +339,7 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
                                "adadecode_model": predict_adadecode(cfg, decoder, model, tokenizer, eval_prompts, eos_ids)}
         return decoder, info
     if mode == "config" or head_type not in PLANNERS or not isinstance(decoder, SpeculativeDecoder):
-        info["tree_choice"] = {"mode": mode, "applied": False,
+        info["tree_choice"] = {"mode": mode, "applied": False, **drafted_tree(drafter),
                                "reason": "eval.tree=config" if mode == "config" else f"{head_type} has no tree to size"}
         return decoder, info
     check_grid(ev.tree_grid)
@@ -336,7 +348,7 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     key, what = EXPLICIT_TREE_KEYS.get(head_type, (None, None))
     if key and OmegaConf.select(ev, key, default=None) is not None:  # the user chose it explicitly: it wins over auto
         log.warning("eval.%s is set: using it, not eval.tree=%s", key, mode)
-        info["tree_choice"] = {"mode": mode, "applied": False,
+        info["tree_choice"] = {"mode": mode, "applied": False, **drafted_tree(drafter),
                                "reason": f"eval.{key} given explicitly: that {what} is used (unset it to size the tree)"}
         return decoder, info
     head = drafter.head
@@ -699,7 +711,11 @@ def describe(choice: dict | None) -> str:
             c = ada["configured"]
             return (f"adadecode model ({ada['held_out_prompts']} held-out prompts): expected layer steps/token "
                     f"{c['expected_layer_steps_per_token']:.1f}, layer-step speedup {c['predicted_layer_step_speedup']:.2f}x")
-        return f"tree: {choice.get('mode')} ({choice.get('reason')})"
+        drafted = ""
+        if choice.get("nodes") is not None:
+            depth = f", depth {choice['depth']}" if (choice.get("depth") or -1) >= 0 else " (budget)"
+            drafted = f": {choice['nodes']} nodes{depth}"
+        return f"tree: {choice.get('mode')} ({choice.get('reason')}){drafted}"
     c = choice["chosen"]
     if c.get("fallback"):
         b = c["best_tree"]

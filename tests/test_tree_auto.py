@@ -301,6 +301,7 @@ def test_explicit_tree_keys_win_over_auto(tiny_base, tiny_model_dir, tmp_path, s
     _save_head(cfg, tiny_base, tmp_path)
     rep = run_evaluation(cfg, base=tiny_base)
     assert rep["tree"]["applied"] is False and "eval.max_nodes given explicitly" in rep["tree"]["reason"]
+    assert (rep["tree"]["nodes"], rep["tree"]["depth"]) == (5, -1)  # what was drafted is recorded (was null)
     assert rep["parity"]["matched"] == 2
     assert all(p["stats"]["tree_nodes"] <= 4 * p["stats"]["steps"] for p in rep["per_prompt"])
     # EAGLE-3: an explicit eval.decoding.total_tokens is its budget, kept over auto
@@ -310,6 +311,21 @@ def test_explicit_tree_keys_win_over_auto(tiny_base, tiny_model_dir, tmp_path, s
     assert rep["tree"]["applied"] is False and "eval.decoding.total_tokens given explicitly: that budget" in rep["tree"]["reason"]
     assert rep["parity"]["matched"] == 2
     assert all(p["stats"]["tree_nodes"] <= 3 * p["stats"]["steps"] for p in rep["per_prompt"])
+
+
+def test_an_explicit_falcon_tree_records_the_tree_drafted_after_the_depth_cap(tiny_base, tiny_model_dir, tmp_path,
+                                                                            sharegpt):
+    """A 6-deep falcon_tree with one pass of k = 2 is cut to depth 2 (documented), but report.json said nodes
+    and depth null, so the tree that was decoded was recorded nowhere."""
+    from evaluation.summary import tree_summary, tree_text
+
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.falcon_tree={depth_children: [2, 2, 2, 2, 2, 2]}",
+               "eval.falcon_passes=1")
+    _save_head(cfg, tiny_base, tmp_path)
+    rep = run_evaluation(cfg, base=tiny_base)
+    assert rep["tree"]["applied"] is False and (rep["tree"]["nodes"], rep["tree"]["depth"]) == (7, 2)
+    assert tree_text(tree_summary(rep["tree"])) == "given: 7 nodes, depth 2"  # eval.tree=auto did not size it
+    assert rep["parity"]["matched"] == 2
 
 
 def test_plan_threads_sizes_a_one_thread_run_for_the_timing_threads(tiny_base, tiny_model_dir, tmp_path, sharegpt,
