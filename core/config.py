@@ -85,8 +85,12 @@ def compose(argv: Sequence[str] = ()) -> DictConfig:
         A struct-mode ``DictConfig``.  ``cfg.choices`` records the selected option of every group.
 
     Raises:
-        ConfigError: an argument is not ``key=value``, a group option does not exist, a key is
+        ConfigError: an argument is not ``key=value``, a value is empty (``key=``, which OmegaConf would
+            read as null, i.e. the default data or prompts), a group option does not exist, a key is
             unknown (the message lists the valid keys of that section), or :func:`validate` fails.
+
+    A value starting with ``~/`` is expanded to the home directory: bash expands ``~`` only at the start of
+    a word or after ``=`` in a valid variable name, never in ``data.path=~/x``.
     """
     base = OmegaConf.load(CONFIG_DIR / "config.yaml")
     defaults = dict(base.pop("defaults", {}) or {})
@@ -112,9 +116,14 @@ def compose(argv: Sequence[str] = ()) -> DictConfig:
     defaults = copy.deepcopy(base)  # a key's type is its default's, not an earlier override's (a wrapper's list, then off)
     for item in overrides:
         key, value = item.split("=", 1)
+        if not value.strip():  # OmegaConf reads `key=` as null: an unset shell variable would pick the default data/prompts
+            raise ConfigError(f"{key} is empty ({item!r}, e.g. an unset shell variable): give a value, or {key}=null "
+                              "for the default")
         try:
             parsed = OmegaConf.from_dotlist([item])
             new = OmegaConf.select(parsed, key)
+            if isinstance(new, str) and new.startswith("~/"):  # the shell leaves `key=~/x` unexpanded (a lone ~ is YAML's null)
+                new = os.path.expanduser(new)
             check_override_type(key, OmegaConf.select(defaults, key, default=None, throw_on_missing=False), new)
             OmegaConf.update(base, key, new, merge=True)
         except (ConfigKeyError, ConfigAttributeError):

@@ -24,13 +24,37 @@ def rewrite_argv(argv: Sequence[str]) -> list[str]:
     return [("eval." + a) if a.startswith("checkpoint=") else a for a in argv]
 
 
+def check_head_overrides(argv: Sequence[str]) -> None:
+    """Refuse ``heads.*`` overrides on an evaluation's command line.
+
+    Raises:
+        core.config.ConfigError: the evaluated head's settings are its checkpoint's (``config.json``), so a
+            ``heads.*`` override would be ignored while the run's ``config.yaml`` recorded it.
+    """
+    from core.config import ConfigError
+
+    for a in argv:
+        if a.startswith("heads.") and "=" in a:
+            raise ConfigError(f"{a}: an evaluation reads the head's settings from its checkpoint (config.json), so "
+                              "heads.* would be ignored; set the decoding keys with eval.* (eval.falcon_passes, "
+                              "eval.falcon_tree, eval.topk, eval.max_nodes, eval.gamma, or eval.decoding={...})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from core.config import cli
     from evaluation.cli import run_and_report
     from evaluation.runner import run_evaluation
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = cli(rewrite_argv(sys.argv[1:] if argv is None else argv), __doc__)
+    from core.config import ConfigError
+
+    try:
+        args = rewrite_argv(sys.argv[1:] if argv is None else argv)
+        check_head_overrides(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cfg = cli(args, __doc__)
     return run_and_report(lambda: run_evaluation(cfg))
 
 

@@ -17,7 +17,7 @@ from core.chat_template import apply_chat_template
 from data_prep.sharegpt import message_role, replace_lone_surrogates, turn_text
 from data_prep.template import special_token_texts
 
-AUTO_FIELDS = ("turns", "prompt", "instruction", "question", "text", "messages")
+AUTO_FIELDS = ("turns", "prompt", "instruction", "question", "text", "messages", "conversations")
 ID_FIELDS = ("question_id", "id", "prompt_id", "conversation_id")
 
 
@@ -51,13 +51,16 @@ def _chat_messages(value: list, key: str, where: str) -> list[dict[str, str]]:
     parts joined; an unknown role, an empty turn or a system turn after the first is refused, by message."""
     msgs = []
     for j, m in enumerate(value):
-        text = turn_text(m.get("content")) if isinstance(m, dict) else None
-        if text is None or "role" not in m:
-            raise PromptError(f"{where}: field {key!r}[{j}] must be a {{role, content}} message (content a string or "
-                              "a list of text parts)")
-        role = message_role(m["role"])
+        # a messages turn {role, content}, or a ShareGPT turn {from, value} (what data prep reads too)
+        role_key, text_key = ("from", "value") if isinstance(m, dict) and "from" in m and "role" not in m \
+            else ("role", "content")
+        text = turn_text(m.get(text_key)) if isinstance(m, dict) else None
+        if text is None or role_key not in m:
+            raise PromptError(f"{where}: field {key!r}[{j}] must be a {{role, content}} message or a ShareGPT "
+                              "{from, value} turn (the text a string or a list of text parts)")
+        role = message_role(m[role_key])
         if role is None:
-            raise PromptError(f"{where}: field {key!r}[{j}] has the unknown role {m['role']!r} (user, assistant, "
+            raise PromptError(f"{where}: field {key!r}[{j}] has the unknown role {m[role_key]!r} (user, assistant, "
                               "system, or ShareGPT's human, gpt)")
         if not text.strip():
             raise PromptError(f"{where}: field {key!r}[{j}] is an empty {role} turn")
@@ -180,6 +183,10 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
+            if lineno == 1 and line.lstrip().startswith("["):  # a JSON array file, not JSON Lines
+                raise PromptError(f"{path}: a JSON array; eval.prompts reads JSON Lines, one JSON object a line "
+                                  f"(python -c \"import json; [print(json.dumps(r)) for r in json.load(open('{path.name}'))]\" "
+                                  "> prompts.jsonl)") from None
             raise PromptError(f"{where}: invalid JSON ({exc.msg})") from None
         half = _lone_surrogate(rec)
         if half:

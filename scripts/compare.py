@@ -155,7 +155,7 @@ def check_stage_overrides(cfg: DictConfig) -> None:
         UserInputError: naming where the override came from and the entry point's message.
     """
     from core.config import ConfigError, compose
-    from evaluation.__main__ import rewrite_argv
+    from evaluation.__main__ import check_head_overrides, rewrite_argv
 
     common = [str(o) for o in cfg.get("common") or []]
     prep = cfg.prep if isinstance(cfg.prep, DictConfig) else {"cache": cfg.prep}
@@ -174,6 +174,8 @@ def check_stage_overrides(cfg: DictConfig) -> None:
                                                                       *h.get("eval", []))])))
     for where, args in plans:
         try:
+            if where.startswith("evaluation"):
+                check_head_overrides(args)
             compose(args)
         except (ConfigError, UserInputError, ValueError) as exc:
             raise UserInputError(f"{where}: {exc}") from None
