@@ -21,6 +21,11 @@ Normalisation rules (issues 15, 28): every change to a kept record is counted un
   ``role_mapped_human_to_user``, ``role_mapped_bard_to_assistant``; names are matched case- and
   whitespace-insensitively, and ``role_mapped_User_to_user`` says so);
 * an OpenAI content list of text parts is joined into one string (``text_parts_joined``);
+* turns keyed ``role``/``content`` under ``conversations`` (SpecForge's layout), or ``from``/``value`` under
+  ``messages``, are read (``turn_keys_role_content``, ``turn_keys_from_value``); a turn list stored as a JSON
+  string (a CSV column) is parsed (``json_string_parsed``);
+* a record's top-level ``system`` string (LLaMA-Factory's sharegpt layout) becomes its system turn
+  (``system_field_used``), unless it has one already (``system_field_ignored`` when they differ);
 * leading assistant turns (after an optional system turn) are dropped and the rest kept
   (``leading_assistant_dropped``; ShareGPT splits long conversations into parts, and a part
   often starts with the assistant — FastChat and SpecForge do the same);
@@ -395,14 +400,29 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
     """
     keys = {"sharegpt": ("conversations", "from", "value"), "messages": ("messages", "role", "content")}
     if fmt == "auto":
-        fmt = "messages" if isinstance(record, dict) and isinstance(record.get("messages"), list) \
-            and not isinstance(record.get("conversations"), list) else "sharegpt"
+        def listed(key):  # a list, or a JSON list kept as a string (a CSV column)
+            v = record.get(key)
+            return isinstance(v, list) or isinstance(v, str) and v.lstrip().startswith("[")
+
+        fmt = "messages" if isinstance(record, dict) and listed("messages") and not listed("conversations") \
+            else "sharegpt"
     list_key, role_key, text_key = keys[fmt]
-    if not isinstance(record, dict) or not isinstance(record.get(list_key), list):
+    fixes: dict[str, str] = {}  # rule -> message (one count per record and rule)
+    turns = record.get(list_key) if isinstance(record, dict) else None
+    if isinstance(turns, str) and turns.lstrip().startswith("["):  # a CSV cell (or any string column) holding JSON
+        try:
+            turns = json.loads(turns)
+            fixes["json_string_parsed"] = f"the {list_key!r} column is a JSON string: parsed"
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(turns, list):
         return Drop("missing_conversations", f"no {list_key!r} list in the record")
     messages: list[dict[str, str]] = []
-    fixes: dict[str, str] = {}  # rule -> message (one count per record and rule)
-    for t, turn in enumerate(record[list_key]):
+    other = {"from": ("role", "content"), "role": ("from", "value")}[role_key]
+    for t, turn in enumerate(turns):
+        if isinstance(turn, dict) and role_key not in turn and other[0] in turn:  # SpecForge: conversations of {role, content}
+            role_key, text_key = other
+            fixes.setdefault(f"turn_keys_{role_key}_{text_key}", f"turns keyed {role_key}/{text_key} under {list_key!r}")
         text = turn_text(turn.get(text_key)) if isinstance(turn, dict) else None
         if text is None:
             return Drop("non_string_value", f"turn {t}: {text_key!r} is missing or not a string")
@@ -420,6 +440,13 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         if halves:
             fixes.setdefault("lone_surrogates_replaced", f"turn {t}: {halves} lone UTF-16 surrogate(s) read as U+FFFD")
         messages.append({"role": role, "content": text})
+    system = record.get("system")  # LLaMA-Factory's sharegpt layout: the system prompt beside the turns
+    if isinstance(system, str) and system.strip():
+        if not (messages and messages[0]["role"] == "system"):
+            messages.insert(0, {"role": "system", "content": system})
+            fixes.setdefault("system_field_used", "the record's 'system' field is its system turn")
+        elif messages[0]["content"] != system:
+            fixes.setdefault("system_field_ignored", "a 'system' field beside a system turn: the turn is kept")
     if any(m["role"] == "system" for m in messages[1:]):
         return Drop("misplaced_system", "a system turn that is not the first turn")
     first = 1 if messages and messages[0]["role"] == "system" else 0

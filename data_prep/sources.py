@@ -83,6 +83,9 @@ def source_specs(data_cfg) -> list[SourceSpec]:
         raw = [{"path": data_cfg.get("path")}]
         where = ["data"]
     else:
+        if isinstance(entries, str) or hasattr(entries, "items"):  # list() would read a string letter by letter
+            raise UserInputError(f"data.sources={entries!r} must be a list of sources, e.g. 'data.sources=[{{path: "
+                                 "a.jsonl}}, {path: b.jsonl, weight: 2}]' (one source: data.path=...)")
         raw = list(entries)
         where = [f"data.sources[{i}]" for i in range(len(raw))]
         if not raw:
@@ -94,6 +97,13 @@ def source_specs(data_cfg) -> list[SourceSpec]:
         if unknown:
             raise UserInputError(f"{w}: unknown key(s) {unknown}; allowed: {list(_SOURCE_KEYS)}")
         opts = {**base, **{k: v for k, v in entry.items() if v is not None}}
+        for key, kind in (("weight", float), ("max", int)):
+            try:
+                if opts.get(key) is not None and (isinstance(opts[key], bool) or kind(opts[key]) != float(opts[key])):
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise UserInputError(f"{w}.{key}={opts[key]!r} must be a number"
+                                     + (" (a whole one)" if kind is int else "")) from None
         spec = SourceSpec(path=None if opts.get("path") is None else str(opts["path"]),
                           format=str(opts.get("format", "auto")), split=str(opts.get("split", "train")),
                           streaming=bool(opts.get("streaming", False)), encoding=str(opts.get("encoding", "utf-8")),

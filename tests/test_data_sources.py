@@ -178,3 +178,19 @@ def test_id_less_records_of_a_mixture_get_ids_unique_across_sources(tmp_path):
     prompts = [pid for pid, _ in heldout_prompts(_data_cfg(f"data.sources=[{{path: {a}}}, {{path: {b}}}]",
                                                            "data.heldout_fraction=1.0"))]
     assert len(prompts) == len(set(prompts)) == 8
+
+
+@pytest.mark.parametrize("sources,said", [
+    ("m.jsonl", "data.sources='m.jsonl' must be a list of sources"),
+    ("{path: m.jsonl}", "data.sources={'path': 'm.jsonl'} must be a list of sources"),
+    ("[{path: m.jsonl, weight: abc}]", "data.sources[0].weight='abc' must be a number"),
+    ("[{path: m.jsonl, max: ten}]", "data.sources[0].max='ten' must be a number (a whole one)"),
+    ("[{path: m.jsonl, max: 2.5}]", "data.sources[0].max=2.5 must be a number (a whole one)")])
+def test_a_malformed_data_sources_is_one_line_before_any_read(sources, said):
+    """A string was read letter by letter (each letter sent to the Hub, the error naming data.path='m'); a
+    wrong-typed weight or max was a traceback."""
+    from data_prep.sources import source_specs
+
+    with pytest.raises(UserInputError) as exc:
+        source_specs(compose([f"data.sources={sources}"]).data)
+    assert str(exc.value).startswith(said), str(exc.value)

@@ -197,3 +197,27 @@ def test_a_lone_surrogate_becomes_u_fffd_counted_and_the_record_templates(tmp_pa
         tok("Sure \ud83d!")
     for conv in (cut, pair):
         assert segment_records(tok, conv.messages, conv.id, set(end_of_turn_ids(tok)), 512)
+
+
+def test_a_top_level_system_field_is_the_system_turn():
+    """LLaMA-Factory's ``{"system": ..., "conversations": [...]}`` lost its system prompt silently: the chat
+    template then put the base's default system prompt in its place (axolotl#520's kind)."""
+    turns = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "Arr"}]
+    conv = normalize({"id": "s0", "system": "You are a pirate.", "conversations": turns}, 0)
+    assert conv.messages[0] == {"role": "system", "content": "You are a pirate."} and len(conv.messages) == 3
+    assert ("system_field_used", "the record's 'system' field is its system turn") in conv.fixes
+    both = normalize({"id": "s1", "system": "A", "conversations": [{"from": "system", "value": "B"}, *turns]}, 1)
+    assert both.messages[0]["content"] == "B" and [r for r, _ in both.fixes if r.startswith("system_field")] == [
+        "system_field_ignored"]
+
+
+def test_specforge_turns_and_a_csv_json_column_are_read():
+    """SpecForge's ``conversations`` of ``{role, content}`` was dropped as non_string_value; a CSV's
+    ``messages`` column (a JSON string) could never be read although the docs list CSV."""
+    conv = normalize({"id": "r0", "conversations": [{"role": "user", "content": "q"},
+                                                    {"role": "assistant", "content": "a"}]}, 0)
+    assert [m["role"] for m in conv.messages] == ["user", "assistant"]
+    assert "turn_keys_role_content" in [r for r, _ in conv.fixes]
+    row = {"id": "c0", "messages": json.dumps([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])}
+    conv = normalize(row, 0)
+    assert conv.messages[-1] == {"role": "assistant", "content": "a"} and "json_string_parsed" in [r for r, _ in conv.fixes]
