@@ -69,24 +69,27 @@ class Bf16Support:
         return self.level == "native"
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """``(vendor, flags)`` of CPU 0 from ``/proc/cpuinfo`` (x86 ``flags`` / aarch64 ``Features``);
-    ``("", set())`` where there is no such file."""
-    vendor, flags = "", set()
+def _cpu0_fields() -> dict[str, str]:
+    """``/proc/cpuinfo``'s ``key: value`` lines (keys lower-cased, the first of each) up to the end of the
+    block that holds CPU 0's ``flags`` (x86) / ``Features`` (aarch64); ``{}`` where there is no such file."""
+    fields: dict[str, str] = {}
     try:
         text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
     except OSError:
-        return vendor, flags
+        return fields
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key == "vendor_id" and not vendor:
-            vendor = value.strip()
-        elif key in ("flags", "features") and not flags:
-            flags = set(value.split())
-        if not line.strip() and flags:
+        if not line.strip() and ("flags" in fields or "features" in fields):
             break
-    return vendor, flags
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip().lower(), value.strip())
+    return fields
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """``(vendor, flags)`` of CPU 0 from ``/proc/cpuinfo`` (x86 ``flags`` / aarch64 ``Features``);
+    ``("", set())`` where there is no such file."""
+    fields = _cpu0_fields()
+    return fields.get("vendor_id", ""), set((fields.get("flags") or fields.get("features") or "").split())
 
 
 #: The instruction-set flags that change this project's CPU kernels (bf16 and fp32 matrix products).
@@ -95,22 +98,13 @@ COST_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
 
 def cpu_identity() -> str:
     """This CPU as a measured cost depends on it: ``/proc/cpuinfo``'s ``model name``, ``cpu family`` and ``model``
-    of CPU 0 and which of
-    :data:`COST_FLAGS` it has, e.g. ``"AMD EPYC (family 25 model 17) [avx512_bf16 avx512f avx2]"``
-    (``platform.processor()`` where there is no such file).  Keys the cached c(n) measurements
+    of CPU 0 and which of :data:`COST_FLAGS` it has, e.g. ``"AMD EPYC (family 25 model 17) [avx512_bf16 avx512f
+    avx2]"`` (``platform.processor()`` where there is no such file).  Keys the cached c(n) measurements
     (:func:`decoding.cost_model.cost_key`), which must not travel to another CPU with ``output_root``."""
     import platform
 
     vendor, flags = _cpuinfo()
-    fields: dict[str, str] = {}
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
-            if not line.strip():
-                break  # CPU 0 only
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip().lower(), value.strip())
-    except OSError:
-        pass
+    fields = _cpu0_fields()
     name = fields.get("model name") or fields.get("cpu model") or vendor or platform.processor() or platform.machine()
     if "cpu family" in fields and "model" in fields:  # a VM may name every EPYC alike; family/model tell Zen 3 from 4
         name += f" (family {fields['cpu family']} model {fields['model']})"

@@ -382,6 +382,20 @@ def record_id(record: Any, index: int, id_prefix: str = "record-") -> str:
     return f"{id_prefix}{index}"
 
 
+#: a turn's (role, text) keys by its role key: ``messages`` turns ``{role, content}``, ShareGPT ``{from, value}``
+TURN_KEYS = {"role": ("role", "content"), "from": ("from", "value")}
+
+
+def turn_keys(turn: Any, role_key: str) -> tuple[str, str]:
+    """The ``(role, text)`` keys ``turn`` is written with: ``role_key``'s pair (:data:`TURN_KEYS`), or the other
+    layout's when the turn lacks ``role_key`` and has the other's (SpecForge's ``conversations`` of
+    ``{role, content}``, a ShareGPT turn among ``messages``)."""
+    other = "from" if role_key == "role" else "role"
+    if isinstance(turn, dict) and role_key not in turn and other in turn:
+        return TURN_KEYS[other]
+    return TURN_KEYS[role_key]
+
+
 def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None = None,
               id_prefix: str = "record-") -> Conversation | Drop:
     """Validate and normalise one ShareGPT or ``messages`` record (rules in the module doc).
@@ -418,10 +432,9 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
     if not isinstance(turns, list):
         return Drop("missing_conversations", f"no {list_key!r} list in the record")
     messages: list[dict[str, str]] = []
-    other = {"from": ("role", "content"), "role": ("from", "value")}[role_key]
     for t, turn in enumerate(turns):
-        if isinstance(turn, dict) and role_key not in turn and other[0] in turn:  # SpecForge: conversations of {role, content}
-            role_key, text_key = other
+        if (keys := turn_keys(turn, role_key))[0] != role_key:  # SpecForge: conversations of {role, content}
+            role_key, text_key = keys
             fixes.setdefault(f"turn_keys_{role_key}_{text_key}", f"turns keyed {role_key}/{text_key} under {list_key!r}")
         text = turn_text(turn.get(text_key)) if isinstance(turn, dict) else None
         if text is None:

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from core.chat_template import apply_chat_template
-from data_prep.sharegpt import message_role, replace_lone_surrogates, turn_text
+from data_prep.sharegpt import message_role, replace_lone_surrogates, turn_keys, turn_text
 from data_prep.template import special_token_texts
 
 AUTO_FIELDS = ("turns", "prompt", "instruction", "question", "text", "messages", "conversations")
@@ -51,9 +51,7 @@ def _chat_messages(value: list, key: str, where: str) -> list[dict[str, str]]:
     parts joined; an unknown role, an empty turn or a system turn after the first is refused, by message."""
     msgs = []
     for j, m in enumerate(value):
-        # a messages turn {role, content}, or a ShareGPT turn {from, value} (what data prep reads too)
-        role_key, text_key = ("from", "value") if isinstance(m, dict) and "from" in m and "role" not in m \
-            else ("role", "content")
+        role_key, text_key = turn_keys(m, "role")  # {role, content}, or a ShareGPT {from, value} as data prep reads
         text = turn_text(m.get(text_key)) if isinstance(m, dict) else None
         if text is None or role_key not in m:
             raise PromptError(f"{where}: field {key!r}[{j}] must be a {{role, content}} message or a ShareGPT "

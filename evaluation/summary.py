@@ -55,8 +55,9 @@ def summary_row(name: str | None, report: dict[str, Any]) -> dict[str, Any]:
 def tree_summary(tree: dict[str, Any] | None) -> dict[str, Any] | None:
     """The table cells of a tree choice: mode, nodes, depth, predicted and measured τ / speedup."""
     if tree and not tree.get("applied") and tree.get("nodes") is not None:  # a tree given, not sized: what was drafted
-        return {"mode": "config" if tree["mode"] == "config" else "given", "nodes": tree["nodes"], "depth": tree.get("depth"), "predicted_tau": None,
-                "measured_tau": None, "predicted_speedup": None, "measured_speedup": None, "probe": None}
+        return {"mode": "config" if tree["mode"] == "config" else "given", "nodes": tree["nodes"],
+                "depth": tree.get("depth"), "predicted_tau": None, "measured_tau": None, "predicted_speedup": None,
+                "measured_speedup": None, "probe": None}
     if not tree or not tree.get("applied"):
         return None
     c = tree["chosen"]

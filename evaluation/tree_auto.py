@@ -291,6 +291,7 @@ def _eagle3_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[
 EXPLICIT_TREE_KEYS = {"falcon": ("falcon_tree", "tree"), "ctc": ("max_nodes", "tree"),
                       "eagle3": ("decoding.total_tokens", "budget")}
 
+
 def drafted_tree(drafter) -> dict[str, int]:
     """``{"nodes", "depth"}`` of the tree a drafter drafts as configured (Falcon: its template after the
     depth cap of ``passes x k``; CTC: its node cap, depth -1), or ``{}`` for a drafter without one: what an
@@ -713,7 +714,7 @@ def describe(choice: dict | None) -> str:
                     f"{c['expected_layer_steps_per_token']:.1f}, layer-step speedup {c['predicted_layer_step_speedup']:.2f}x")
         drafted = ""
         if choice.get("nodes") is not None:
-            depth = f", depth {choice['depth']}" if (choice.get("depth") or -1) >= 0 else " (budget)"
+            depth = f", depth {choice['depth']}" if choice.get("depth", -1) >= 0 else " (budget)"
             drafted = f": {choice['nodes']} nodes{depth}"
         return f"tree: {choice.get('mode')} ({choice.get('reason')}){drafted}"
     c = choice["chosen"]

@@ -648,7 +648,6 @@ def check_resume_world_size(checkpoint: dict[str, Any], ckpt_path: str | Path, w
             f"twice or never. Resume with {saved} rank(s) in all, or start a new run (another train.run_name)")
 
 
-
 def saved_zero_stage(checkpoint: dict[str, Any]) -> int:
     """The ZeRO stage a checkpoint was written under (its ``zero`` entry, :mod:`train.zero_checkpoint`), 0 for none."""
     zero = checkpoint.get("zero")

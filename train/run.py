@@ -37,7 +37,7 @@ from train.checkpoint_io import SafetensorsCheckpointIO
 from train.data import CacheDataModule
 from train.module import DraftHeadModule, head_monitor
 from train.resume import Preempted, check_resume_config, record_launch
-from train.run_dirs import claimed_run_dir, holds_run, named_by_time, run_dir_for
+from train.run_dirs import claimed_run_dir, named_by_time, run_dir_for, run_files
 from train.run_logs import record_wandb_run_id
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
@@ -270,8 +270,8 @@ def train(cfg: DictConfig, base: tuple | None = None, datamodule: CacheDataModul
         reader = datamodule.train_reader
         cache_def = FeatureDefinition.from_manifest(reader.manifest, Path(reader.directory).parent)
     ckpt_path = ckpt_path or (str(resume_path) if resume_path else None)
+    by_time = resume_dir is None and named_by_time(cfg)  # before run_dir_for passes the name on in the environment
     run_dir = resume_dir or run_dir_for(cfg)
-    by_time = resume_dir is None and named_by_time(cfg)
     with claimed_run_dir(run_dir, by_time=by_time and ckpt_path is None, rank=rank_zero_only.rank) as run_dir:
         return _train_in(cfg, run_dir, ckpt_path, model, tokenizer, identity, identity_dict, online, datamodule,
                          features, cache_def, callbacks)
@@ -550,10 +550,8 @@ def refuse_existing_run(run_dir: Path, resume_asked: bool = False) -> None:
         UserInputError: ``run_dir`` holds ``checkpoints/*.ckpt``, ``best/`` or ``last/`` (nothing
             is overwritten; the message says to resume or rename).
     """
-    if holds_run(run_dir):
-        found = sorted(str(p.relative_to(run_dir)) for p in [*run_dir.glob("checkpoints/*.ckpt"),
-                                                              run_dir / "best" / "model.safetensors",
-                                                              run_dir / "last" / "model.safetensors"] if p.is_file())
+    found = [str(p.relative_to(run_dir)) for p in run_files(run_dir)]
+    if found:
         steps = sorted(run_dir.glob("checkpoints/step*.ckpt"))
         if resume_asked and steps:  # resume=auto found no last.ckpt: say so, and name what can continue it
             way = (f"resume=auto found no checkpoints/last.ckpt there; continue from its newest step checkpoint "

@@ -26,30 +26,30 @@ def run_dir_for(cfg: DictConfig) -> Path:
     from ``$DRAFTHEADS_RUN_NAME``; else ``slurm-<SLURM_JOB_ID>`` inside a Slurm job; else the UTC
     time ``YYYYmmdd-HHMMSS``.  So all ranks of a run share one directory.
     """
-    inherited = os.environ.get(RUN_NAME_ENV, "")
-    parent_name = None
-    if ":" in inherited:
-        value, setter = inherited.rsplit(":", 1)
-        parent_name = value if setter == str(os.getppid()) else None
-    name = (cfg.train.run_name or parent_name
+    name = (cfg.train.run_name or _parent_name()
             or (f"slurm-{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else None)
             or time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
     os.environ[RUN_NAME_ENV] = f"{name}:{os.getpid()}"
     return runs_root(cfg) / str(name)
 
 
+def _parent_name() -> str | None:
+    """The run name a parent draftheads process passed down in ``$DRAFTHEADS_RUN_NAME`` (``<name>:<its pid>``),
+    or None when this process's parent set none."""
+    value, _, setter = os.environ.get(RUN_NAME_ENV, "").rpartition(":")
+    return value if value and setter == str(os.getppid()) else None
+
+
 def named_by_time(cfg: DictConfig) -> bool:
     """True when :func:`run_dir_for` names the run by the clock (no run name given, inherited or from Slurm):
     two such runs started in the same second would otherwise share one directory."""
-    inherited = os.environ.get(RUN_NAME_ENV, "")
-    child = ":" in inherited and inherited.rsplit(":", 1)[1] == str(os.getppid())
-    return not (cfg.train.run_name or child or os.environ.get("SLURM_JOB_ID"))
+    return not (cfg.train.run_name or _parent_name() or os.environ.get("SLURM_JOB_ID"))
 
 
-def holds_run(run_dir: Path) -> bool:
-    """True when ``run_dir`` holds checkpoints or exported heads (what a fresh run must not overwrite)."""
-    return any(p.is_file() for p in [*run_dir.glob("checkpoints/*.ckpt"), run_dir / "best" / "model.safetensors",
-                                     run_dir / "last" / "model.safetensors"])
+def run_files(run_dir: Path) -> list[Path]:
+    """The checkpoints and exported heads ``run_dir`` holds (what a fresh run must not overwrite), sorted."""
+    return sorted(p for p in [*run_dir.glob("checkpoints/*.ckpt"), run_dir / "best" / "model.safetensors",
+                              run_dir / "last" / "model.safetensors"] if p.is_file())
 
 
 @contextlib.contextmanager
@@ -98,7 +98,7 @@ def claimed_run_dir(run_dir: Path, by_time: bool = False, rank: int = 0) -> Iter
             if current != os.fstat(fd).st_ino:  # its holder removed the file as we opened it: take the new one
                 os.close(fd)
                 continue
-            if not (by_time and holds_run(run_dir)):
+            if not (by_time and run_files(run_dir)):
                 break
             os.unlink(lock)
             os.close(fd)

@@ -137,8 +137,8 @@ def resolve_devices(value: Any, accelerator: str, num_nodes: int) -> int | list[
     GPUs the visible GPU count; else 1.  Lightning checks that this equals the launched tasks.
     """
     if value != "auto":
-        if accelerator == "cpu" and isinstance(value, (int, str)) and int(value) == -1:  # Lightning's "all devices"; on a CPU one process per core
-            return len(os.sched_getaffinity(0))
+        if accelerator == "cpu" and isinstance(value, (int, str)) and int(value) == -1:
+            return len(os.sched_getaffinity(0))  # Lightning's "every device"; on a CPU one process per core
         return int(value) if isinstance(value, (int, str)) else [int(v) for v in value]
     if in_slurm_job():
         per_node = _env_int("SLURM_NTASKS_PER_NODE")
@@ -512,9 +512,9 @@ def shutdown_distributed() -> bool:
 
 
 def zero_stage(cfg: Any) -> int:
-    """ZeRO stage of ``cfg.strategy`` (0 for ``auto`` / ``ddp``, whatever ``zero_stage`` says); logged with every run."""
+    """ZeRO stage of ``cfg.strategy`` (0 for ``auto`` / ``ddp``); logged with every run."""
     stage = cfg.strategy.get("zero_stage")
-    return int(stage) if stage and str(cfg.strategy.get("name", "")).startswith("deepspeed") else 0
+    return int(stage) if stage else 0
 
 
 def consolidated_head(trainer, module):
