@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from core.follow_up import follow_up
+from data_prep.sharegpt import trained_turn
 from data_prep.template import pad_token_id
 
 
@@ -211,7 +212,7 @@ def conversation_groups(records) -> list[list]:
 
 def regen_sources(records, stats: Counter | None = None) -> list[RegenSource]:
     """One :class:`RegenSource` per conversation of the templated records (:func:`conversation_groups`):
-    the assistant turns templating kept, from the first kept one (earlier turns stay as the dataset
+    the trained assistant turns templating kept, from the first kept one (earlier turns stay as the dataset
     wrote them) up to the first it dropped.
 
     Args:
@@ -226,7 +227,7 @@ def regen_sources(records, stats: Counter | None = None) -> list[RegenSource]:
     for group in conversation_groups(records):
         messages = group[0].messages
         turns = [seg.turn for rec in group for seg in rec.segments if seg.body]
-        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        assistant = [i for i, m in enumerate(messages) if trained_turn(m)]
         start = assistant.index(turns[0]) if turns and turns[0] in assistant else len(assistant)
         n = 0
         while n < len(turns) and start + n < len(assistant) and turns[n] == assistant[start + n]:

@@ -32,7 +32,13 @@ Normalisation rules (issues 15, 28): every change to a kept record is counted un
 * consecutive turns of one role are merged into one turn, joined by a blank line
   (``merged_consecutive_roles``), so templates that enforce user/assistant alternation
   (Llama-2, Mistral) accept the record;
-* turns after the last assistant turn are dropped (``trailing_turns_dropped``: they carry no loss);
+* an assistant turn whose ``train`` / ``training`` / ``weight`` flag (:data:`TRAIN_FLAG_KEYS`) is false or 0
+  (axolotl's per-turn training flag, the ``weight`` of ShareGPT-style sets such as OpenHermes) stays in the
+  conversation as context and carries no loss (``turns_not_trained``, one count per such turn; the message
+  keeps ``"train": False``); ``null`` = trained; any other value drops the record (``bad_train_flag``).
+  Merged consecutive assistant turns are trained only if each part is.  A flag on a user or system turn is
+  ignored (``train_flags_ignored``: only assistant tokens carry loss);
+* turns after the last trained assistant turn are dropped (``trailing_turns_dropped``: they carry no loss);
 * a lone UTF-16 surrogate (``"\\ud83d"`` in the JSON: half of an emoji cut by a scraper; no tokenizer
   can encode it, and a UTF-8 file cannot hold it) becomes U+FFFD, as undecodable bytes do
   (``lone_surrogates_replaced``).  JSON's escaped surrogate *pairs* are whole characters already.
@@ -66,7 +72,12 @@ BAD_REASONS = (
     "unknown_role",           # a ``from`` outside ROLE_MAP
     "no_assistant_turn",      # no user turn followed by an assistant turn (after dropping leading assistant turns)
     "misplaced_system",       # a system turn that is not the first turn
+    "bad_train_flag",         # a turn's ``train`` / ``training`` / ``weight`` flag that is not a boolean, 0 or 1
 )
+
+#: per-turn keys that mark an assistant turn as trained or not (axolotl's ``training`` and ShareGPT ``weight``
+#: fields, the ``train`` flag of other chat datasets), read in this order: the first present, non-null one decides
+TRAIN_FLAG_KEYS = ("train", "training", "weight")
 
 _CHUNK_CHARS = 1 << 22          # 4 Mi characters per read
 _MAX_RECORD_CHARS = 1 << 26     # a record larger than 64 Mi characters counts as corrupt
@@ -386,6 +397,26 @@ def record_id(record: Any, index: int, id_prefix: str = "record-") -> str:
 TURN_KEYS = {"role": ("role", "content"), "from": ("from", "value")}
 
 
+def trained_turn(message: dict) -> bool:
+    """Whether a normalised message is an assistant turn that carries loss (not marked ``"train": False``)."""
+    return message["role"] == "assistant" and message.get("train", True) is not False
+
+
+def train_flag(turn: dict) -> tuple[bool | None, str | None]:
+    """A turn's training flag (:data:`TRAIN_FLAG_KEYS`): ``(trained, key)``, ``(None, None)`` when no key is
+    present and non-null, ``(None, key)`` when ``key``'s value is neither a boolean nor 0 / 1."""
+    for key in TRAIN_FLAG_KEYS:
+        value = turn.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            return value, key
+        if isinstance(value, (int, float)) and value in (0, 1):
+            return bool(value), key
+        return None, key
+    return None, None
+
+
 def turn_keys(turn: Any, role_key: str) -> tuple[str, str]:
     """The ``(role, text)`` keys ``turn`` is written with: ``role_key``'s pair (:data:`TURN_KEYS`), or the other
     layout's when the turn lacks ``role_key`` and has the other's (SpecForge's ``conversations`` of
@@ -452,7 +483,17 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         text, halves = replace_lone_surrogates(text)
         if halves:
             fixes.setdefault("lone_surrogates_replaced", f"turn {t}: {halves} lone UTF-16 surrogate(s) read as U+FFFD")
-        messages.append({"role": role, "content": text})
+        trained, flag_key = train_flag(turn)
+        if flag_key is not None and trained is None:
+            return Drop("bad_train_flag", f"turn {t}: {flag_key!r} is {turn[flag_key]!r}, not a boolean, 0 or 1 "
+                                          "(fractional loss weights are not supported)")
+        message = {"role": role, "content": text}
+        if flag_key is not None and role != "assistant":
+            fixes.setdefault("train_flags_ignored", f"turn {t}: {flag_key!r} on a {role} turn ignored (only "
+                                                    "assistant turns carry loss)")
+        elif trained is False:
+            message["train"] = False
+        messages.append(message)
     system = record.get("system")  # LLaMA-Factory's sharegpt layout: the system prompt beside the turns
     if isinstance(system, str) and system.strip():
         if not (messages and messages[0]["role"] == "system"):
@@ -470,19 +511,27 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
     merged: list[dict[str, str]] = []
     for m in body:
         if merged and merged[-1]["role"] == m["role"]:
-            merged[-1] = {"role": m["role"], "content": merged[-1]["content"] + "\n\n" + m["content"]}
+            joined = {"role": m["role"], "content": merged[-1]["content"] + "\n\n" + m["content"]}
+            if merged[-1].get("train", True) is False or m.get("train", True) is False:
+                joined["train"] = False
+            merged[-1] = joined
         else:
             merged.append(dict(m))
-    roles = [m["role"] for m in merged]
-    if "assistant" not in roles:
-        return Drop("no_assistant_turn", "no assistant turn after a user turn")
-    last_assistant = len(roles) - 1 - roles[::-1].index("assistant")
+    trained = [i for i, m in enumerate(merged) if trained_turn(m)]
+    if not trained:
+        return Drop("no_assistant_turn", "no assistant turn after a user turn" if not any(
+            m["role"] == "assistant" for m in merged) else "every assistant turn is marked not to train")
+    last_assistant = trained[-1]
+    untrained = sum(1 for m in merged[: last_assistant + 1] if m.get("train", True) is False)
     if lead > first:
         fixes["leading_assistant_dropped"] = f"{lead - first} leading assistant turn(s) dropped"
     if len(merged) < len(body):
         fixes["merged_consecutive_roles"] = f"{len(body) - len(merged)} turn(s) merged into the turn before (same role)"
+    if untrained:
+        fixes["turns_not_trained"] = f"{untrained} assistant turn(s) marked not to train: kept as context"
     if last_assistant + 1 < len(merged):
-        fixes["trailing_turns_dropped"] = f"{len(merged) - last_assistant - 1} turn(s) after the last assistant turn dropped"
+        fixes["trailing_turns_dropped"] = (f"{len(merged) - last_assistant - 1} turn(s) after the last trained "
+                                           "assistant turn dropped")
     if fixed is not None:
         fixed.update(fixes.keys())
     return Conversation(id=record_id(record, index, id_prefix), messages=messages[:first] + merged[: last_assistant + 1],

@@ -34,7 +34,9 @@ templated is dropped under the first turn's reason:
 * ``template_mismatch``: neither view continues the generation prompt's tokens with an
   end-of-turn token.
 
-The loss mask is True on assistant bodies only (METHODS.md §0: m_t = 1 on assistant tokens).
+The loss mask is True on assistant bodies only (METHODS.md §0: m_t = 1 on assistant tokens).  An assistant
+turn marked ``"train": False`` (:func:`data_prep.sharegpt.normalize`) is context, like a user turn: it gets no
+segment, and its tokens are in the next trained turn's header.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from core.chat_template import apply_chat_template
+from data_prep.sharegpt import trained_turn
 
 
 #: reasons a record fails templating (counted like the reader's drop reasons)
@@ -213,9 +216,9 @@ def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str
 
 
 def _past(messages: Sequence[dict], start: int, out: list | None) -> None:
-    """Append to ``out`` (when given) the indices of the assistant turns from message ``start`` on."""
+    """Append to ``out`` (when given) the indices of the trained assistant turns from message ``start`` on."""
     if out is not None:
-        out.extend(j for j in range(start, len(messages)) if messages[j]["role"] == "assistant")
+        out.extend(j for j in range(start, len(messages)) if trained_turn(messages[j]))
 
 
 def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, eos_ids: Iterable[int],
@@ -255,7 +258,7 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
     cur: list[int] | None = None
     errors: list[TemplateError] = []
     for i, msg in enumerate(messages):
-        if msg["role"] != "assistant":
+        if not trained_turn(msg):
             continue
         try:
             ids, prompt_len, end, note = _turn_view(tokenizer, messages, i, conversation_id, eos_ids, specials)

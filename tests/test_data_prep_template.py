@@ -50,6 +50,19 @@ def test_default_system_prompt_is_unmasked_and_max_length_truncates():
     assert short_ids == ids[:40] and short_mask == mask[:40]
 
 
+def test_an_assistant_turn_marked_not_to_train_is_context_without_loss():
+    """A reply marked ``"train": False`` (a per-turn ``weight: 0`` / ``training: false``) keeps its tokens in the
+    sequence, as the next reply's context, and has none in the loss mask."""
+    tok = tiny_tokenizer()
+    marked = [dict(m) for m in MESSAGES]
+    marked[4]["train"] = False
+    ids, mask = encode_conversation(tok, MESSAGES, "all")
+    marked_ids, marked_mask = encode_conversation(tok, marked, "marked")
+    assert marked_ids == ids
+    first, second, third = _runs(mask)
+    assert _runs(marked_mask) == [first, third]
+
+
 # --- templates as inference sees them (issue 15) -------------------------------------------------
 import pytest  # noqa: E402
 

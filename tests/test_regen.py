@@ -117,6 +117,26 @@ class _Spy:
         monkeypatch.setattr(labels_mod._Regenerator, "run", run)
 
 
+def test_a_reply_marked_not_to_train_stays_as_written_in_the_regenerated_context(varied):
+    """Regeneration writes only the trained replies: a reply marked ``"train": False`` is context as the dataset
+    wrote it, like a user turn, and the next reply is greedy from the prompt that holds it."""
+    from data_prep.sharegpt import Conversation
+
+    model, tok, _ = varied
+    messages = [{"role": "user", "content": "Hello! How can I help you today?"},
+                {"role": "assistant", "content": "The quick brown fox", "train": False},
+                {"role": "user", "content": "Please write a short poem about the sea."},
+                {"role": "assistant", "content": "jumps over the lazy dog."}]
+    eos = end_of_turn_ids(tok, model)
+    [source] = regen_sources_of(tok, [Conversation("marked", messages)], eos, 160)
+    prompt = list(tok.apply_chat_template(messages[:3], tokenize=True, return_dict=False, add_generation_prompt=True))
+    assert source.turns == [3] and source.prompt == prompt
+    [records] = regenerate(model, tok, [source], eos, 10, 160, batch_size=2)
+    assert records == _batch1_greedy(model, tok, source, eos, 10, 160)
+    [(ids, mask)] = records
+    assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)]) and all(mask[len(prompt):])
+
+
 @pytest.mark.parametrize("max_new_tokens", [10, None])
 def test_continuous_batching_equals_batch_1_greedy(varied, data_file, monkeypatch, max_new_tokens):
     model, tok, _ = varied

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
-from data_prep.sharegpt import BAD_REASONS, ReadStats, iter_conversations, iter_records, normalize
+from data_prep.sharegpt import BAD_REASONS, ReadStats, iter_conversations, iter_records, normalize, normalize_records
 from data_prep.split import is_heldout
 
 
@@ -90,6 +91,8 @@ def test_each_bad_record_kind_is_skipped_and_counted(tmp_path):
                               {"id": "f2", "conversations": [{"from": "system", "value": "s"}, {"from": G, "value": "x"}]}],
         "misplaced_system": [{"id": "h", "conversations": [{"from": H, "value": "q"}, {"from": "system", "value": "s"},
                                                            {"from": G, "value": "x"}]}],
+        "bad_train_flag": [{"id": "i", "conversations": [{"from": H, "value": "q"}, {"from": G, "value": "x", "weight": 0.5}]},
+                           {"id": "i2", "conversations": [{"from": H, "value": "q"}, {"from": G, "value": "x", "train": "no"}]}],
     }
     assert set(bad) == set(BAD_REASONS)
     good = [
@@ -221,3 +224,37 @@ def test_specforge_turns_and_a_csv_json_column_are_read():
     row = {"id": "c0", "messages": json.dumps([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])}
     conv = normalize(row, 0)
     assert conv.messages[-1] == {"role": "assistant", "content": "a"} and "json_string_parsed" in [r for r, _ in conv.fixes]
+
+
+def test_assistant_turns_marked_not_to_train_stay_as_context_without_loss():
+    """axolotl's per-turn ``training`` flag and the ShareGPT ``weight`` of OpenHermes-style sets: a turn marked
+    0 / false is kept as context with ``"train": False``; null means trained; a conversation whose every reply
+    is marked is dropped; turns after the last trained reply are dropped; a flag on a user turn is ignored."""
+    H, G = "human", "gpt"
+    stats = ReadStats()
+    records = [
+        {"id": "w", "conversations": [{"from": H, "value": "q1", "weight": None}, {"from": G, "value": "a1", "weight": 0},
+                                      {"from": H, "value": "q2", "weight": 1}, {"from": G, "value": "a2", "weight": 1.0},
+                                      {"from": H, "value": "q3"}, {"from": G, "value": "a3", "weight": None}]},
+        {"id": "t", "messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "training": True},
+                                 {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2", "training": False}]},
+        {"id": "m", "conversations": [{"from": H, "value": "q"}, {"from": G, "value": "a", "train": True},
+                                      {"from": G, "value": "b", "train": False}, {"from": H, "value": "q2"},
+                                      {"from": G, "value": "c"}]},
+        {"id": "none", "conversations": [{"from": H, "value": "q"}, {"from": G, "value": "a", "weight": 0}]},
+    ]
+    convs = list(normalize_records(records, stats))
+    assert [c.id for c in convs] == ["w", "t", "m"]
+    w, t, m = convs
+    assert w.messages == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "train": False},
+                          {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
+                          {"role": "user", "content": "q3"}, {"role": "assistant", "content": "a3"}]
+    # the untrained last reply carries no loss, so it and the user turn before it are trailing turns
+    assert t.messages == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
+    # a reply merged from a trained and an untrained part is not trained
+    assert m.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a\n\nb", "train": False},
+                          {"role": "user", "content": "q2"}, {"role": "assistant", "content": "c"}]
+    assert stats.dropped == Counter({"no_assistant_turn": 1})
+    assert stats.examples["no_assistant_turn"] == {"id": "none", "message": "every assistant turn is marked not to train"}
+    assert stats.fixed["turns_not_trained"] == 2 and stats.fixed["train_flags_ignored"] == 1  # records, as every rule
+    assert stats.fixed["trailing_turns_dropped"] == 1
