@@ -333,10 +333,32 @@ class TreeChoice:
         return d
 
 
+#: what a tree search maximises: ``speed`` = predicted tokens/s τ / (c(n) + drafter), the default (Sequoia §3);
+#: ``tau`` = predicted τ alone (verification and drafter cost ignored; ties to the cheaper step), the tree of
+#: a "τ at n nodes" quality figure (EAGLE-2 / Sequoia report τ at a fixed node budget)
+TREE_OBJECTIVES = ("speed", "tau")
+
+
+def _better(objective: str, tau: float, tps: float, best: "TreeChoice | None") -> bool:
+    """Whether a candidate of predicted ``tau`` and ``tps`` tokens/s beats ``best`` under ``objective``."""
+    if best is None:
+        return True
+    if objective == "tau":
+        return tau > best.tau * (1 + 1e-9) or (tau >= best.tau * (1 - 1e-9) and tps > best.tokens_per_s * (1 + 1e-9))
+    return tps > best.tokens_per_s * (1 + 1e-9)
+
+
+def _check_objective(objective: str) -> None:
+    if objective not in TREE_OBJECTIVES:
+        raise ValueError(f"tree search: objective {objective!r} is not one of {', '.join(TREE_OBJECTIVES)}")
+
+
 def choose_rank_tree(p: Sequence[Sequence[float]], verify_seconds: Callable[[int], float],
                      drafter_seconds: Callable[[int], float], sizes: Sequence[int], max_depth: int,
-                     nodes: int | None = None) -> TreeChoice:
-    """The rank tree maximising τ(T) / (c(n) + drafter(depth)) over n ∈ ``sizes`` and depth ≤ ``max_depth``.
+                     nodes: int | None = None, objective: str = "speed") -> TreeChoice:
+    """The rank tree maximising τ(T) / (c(n) + drafter(depth)) over n ∈ ``sizes`` and depth ≤ ``max_depth``
+    (``objective="speed"``), or τ(T) alone (``"tau"``, :data:`TREE_OBJECTIVES`: with ``nodes`` fixed, the
+    highest-τ tree of that budget; the reported step time and speed are still the cost model's).
 
     Args:
         p: rank acceptance ``p[d-1][r]``.
@@ -345,10 +367,12 @@ def choose_rank_tree(p: Sequence[Sequence[float]], verify_seconds: Callable[[int
         sizes: candidate node counts n (root incl.).
         max_depth: the drafter's depth cap.
         nodes: fix n (only the shape is chosen).
+        objective: one of :data:`TREE_OBJECTIVES`.
 
     Raises:
-        ValueError: empty ``sizes`` or no acceptance statistics.
+        ValueError: empty ``sizes``, no acceptance statistics or an unknown ``objective``.
     """
+    _check_objective(objective)
     grid = sorted({int(n) for n in ([nodes] if nodes else sizes)})
     if not grid or grid[0] < 1:
         raise ValueError(f"tree search: empty or invalid node grid {list(sizes)}")
@@ -366,7 +390,7 @@ def choose_rank_tree(p: Sequence[Sequence[float]], verify_seconds: Callable[[int
             step = verify_seconds(len(paths)) + drafter_seconds(depth)
             tps = tau / step
             cands.append({"nodes": len(paths), "depth": depth, "tau": tau, "tokens_per_s": tps})
-            if best is None or tps > best.tokens_per_s * (1 + 1e-9):
+            if _better(objective, tau, tps, best):
                 best = TreeChoice(nodes=len(paths), depth=depth, tau=tau, step_seconds=step, tokens_per_s=tps,
                                   speedup=tps * base, paths=paths)
     if best is None:  # every budget gives the root alone (nothing is ever accepted)
@@ -378,15 +402,19 @@ def choose_rank_tree(p: Sequence[Sequence[float]], verify_seconds: Callable[[int
 
 
 def choose_budget(tau_by_nodes: dict[int, float], verify_seconds: Callable[[int], float],
-                  drafter_step_seconds: float | Callable[[int], float], nodes: int | None = None) -> TreeChoice:
+                  drafter_step_seconds: float | Callable[[int], float], nodes: int | None = None,
+                  objective: str = "speed") -> TreeChoice:
     """The node budget n maximising τ(n) / (c(n) + drafter) (CTC's ``max_nodes``, the dynamic
     score-truncated tree's n*); ``tau_by_nodes`` from :meth:`AcceptanceStats.budget_tau`.
     ``drafter_step_seconds`` is the drafter's seconds per step, or a function of n when the
     drafter's work depends on the budget (EAGLE-3 expands at most n − 1 levels).
 
+    ``objective="tau"`` maximises τ(n) alone (:data:`TREE_OBJECTIVES`).
+
     Raises:
-        ValueError: no budget (empty grid), or ``nodes`` not among the measured budgets.
+        ValueError: no budget (empty grid), ``nodes`` not among the measured budgets, or an unknown ``objective``.
     """
+    _check_objective(objective)
     if not tau_by_nodes:
         raise ValueError("tree search: empty node grid (no measured budget)")
     if nodes is not None and int(nodes) not in tau_by_nodes:
@@ -400,7 +428,7 @@ def choose_budget(tau_by_nodes: dict[int, float], verify_seconds: Callable[[int]
         step = verify_seconds(n) + (drafter_step_seconds(n) if callable(drafter_step_seconds) else drafter_step_seconds)
         tps = tau_by_nodes[n] / step
         cands.append({"nodes": n, "tau": tau_by_nodes[n], "tokens_per_s": tps})
-        if best is None or tps > best.tokens_per_s * (1 + 1e-9):
+        if _better(objective, tau_by_nodes[n], tps, best):
             best = TreeChoice(nodes=n, depth=-1, tau=tau_by_nodes[n], step_seconds=step, tokens_per_s=tps,
                               speedup=tps * base)
     best.candidates = cands

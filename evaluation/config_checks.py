@@ -191,7 +191,14 @@ def _tree_checks(cfg: DictConfig) -> None:
                           "e.g. [1, 2, 4, 8, 16, 32, 64]")
     if any(not isinstance(n, int) or n < 1 for n in grid):
         raise ConfigError(f"eval.tree_grid={list(grid)}: node counts must be integers >= 1 (root included)")
+    from decoding.tree_search import TREE_OBJECTIVES
+
+    if cfg.eval.get("tree_objective") is not None:
+        check_choice(cfg, "eval.tree_objective", TREE_OBJECTIVES)
     tn = cfg.eval.get("tree_nodes")
+    if cfg.eval.get("tree_objective") == "tau" and tn is None and cfg.eval.tree != "config":
+        raise ConfigError("eval.tree_objective=tau maximises tau at a node budget: set eval.tree_nodes too (e.g. 16); "
+                          "without it the largest size of eval.tree_grid would be drafted")
     if tn is not None and tn not in list(grid):
         raise ConfigError(f"eval.tree_nodes={tn} must be one of eval.tree_grid={list(grid)}")
     if tn is not None and cfg.eval.tree == "config":  # the configured tree is decoded as it is: the budget is unused

@@ -35,6 +35,10 @@ decode without a tree (the root alone, no drafter pass; :func:`vanilla_fallback`
 would.  Off by default: an evaluation exists to measure the head, and a fixed ``eval.tree_nodes``
 never falls back.
 
+``eval.tree_objective`` says what the search maximises (:data:`decoding.tree_search.TREE_OBJECTIVES`): ``speed``
+(predicted tokens/s, the default) or ``tau`` (predicted τ at the budget ``eval.tree_nodes``, cost ignored: the
+tree of a "τ at n nodes" quality figure; speedups measured at it are not the auto tree's).
+
 ``eval.tree=config`` keeps the head's configured tree.  Heads without a tree (AdaDecode) and the
 reference drafters are left as they are (the report says so).
 """
@@ -227,6 +231,11 @@ def _tree_budgets(stats: AcceptanceStats, ev) -> dict[int, float]:
     return tau if (ev.get("tree_nodes") is not None and int(ev.tree_nodes) == 1) or not trees else trees
 
 
+def _objective(ev) -> str:
+    """``eval.tree_objective`` (:data:`decoding.tree_search.TREE_OBJECTIVES`; ``speed`` when unset)."""
+    return str(ev.get("tree_objective") or "speed")
+
+
 def _falcon_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[dict, dict, Callable | None]:
     per_pass = stats.drafter_seconds_per_pass() or 0.0
     k = setup["k"]
@@ -235,14 +244,15 @@ def _falcon_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[
         # a budget of n keeps nodes no deeper than n - 1: the drafter runs at most ceil((n - 1) / k)
         # passes for it (none for the root alone; decoding.falcon.FalconDrafter.draft's max_nodes)
         choice = choose_budget(_tree_budgets(stats, ev), cost.verify_seconds,
-                               lambda n: min(passes_per_step, math.ceil((n - 1) / k)) * per_pass, ev.get("tree_nodes"))
+                               lambda n: min(passes_per_step, math.ceil((n - 1) / k)) * per_pass, ev.get("tree_nodes"),
+                               _objective(ev))
         return (choice.to_dict() | {"max_nodes": choice.nodes}, setup["calibration_kwargs"],
                 lambda d: ScoreBudgetDrafter(d, choice.nodes))
     p = stats.rank_acceptance()
     if not p:
         p = [[0.0]]
     choice = choose_rank_tree(p, cost.verify_seconds, lambda depth: math.ceil(depth / k) * per_pass,
-                              check_grid(ev.tree_grid), setup["max_depth"], ev.get("tree_nodes"))
+                              check_grid(ev.tree_grid), setup["max_depth"], ev.get("tree_nodes"), _objective(ev))
     passes = max(1, math.ceil(choice.depth / k))
     kwargs = {"falcon_passes": passes, "falcon_tree": {"paths": [list(q) for q in choice.paths[1:]]}}
     return choice.to_dict() | {"falcon_passes": passes}, kwargs, None
@@ -252,7 +262,7 @@ def _ctc_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[dic
     per_step = stats.drafter_seconds / stats.steps if stats.steps else 0.0
     # max_nodes = 1 drafts the root alone and runs no slot forward (decoding.ctc.CTCDrafter.draft)
     choice = choose_budget(_tree_budgets(stats, ev), cost.verify_seconds, lambda n: per_step if n > 1 else 0.0,
-                           ev.get("tree_nodes"))
+                           ev.get("tree_nodes"), _objective(ev))
     return choice.to_dict() | {"max_nodes": choice.nodes}, {"max_nodes": choice.nodes}, None
 
 
@@ -281,7 +291,7 @@ def _eagle3_choose(setup, stats: AcceptanceStats, cost: CostModel, ev) -> tuple[
     if not tau:
         raise ValueError(f"eval.tree_grid={list(ev.tree_grid)}: eagle3 needs a node count >= 2 in the grid")
     depth = lambda n: min(setup["depth"], n - 1)  # noqa: E731
-    choice = choose_budget(tau, cost.verify_seconds, lambda n: depth(n) * per_pass, ev.get("tree_nodes"))
+    choice = choose_budget(tau, cost.verify_seconds, lambda n: depth(n) * per_pass, ev.get("tree_nodes"), _objective(ev))
     n = choice.nodes
     dec = {**_eval_decoding(ev), "total_tokens": n - 1, "depth": depth(n), "topk": min(setup["topk"], n - 1)}
     return choice.to_dict() | {"decoding": dec}, {"decoding": dec}, None
@@ -398,7 +408,7 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
             info["probe_decoder"] = SpeculativeDecoder(model, drafter_for(probe.pop("kwargs"), probe.pop("wrap")),
                                                        eos_ids)
     info["tree_choice"] = {
-        "mode": mode, "applied": True, "chosen": chosen,
+        "mode": mode, "objective": _objective(ev), "applied": True, "chosen": chosen,
         "statistics": {"source": "calibration", "path": str(path), "held_out_prompts": len(prompts),
                        "steps": stats.steps, "max_new_tokens": max_new, "rank_acceptance": stats.rank_acceptance(),
                        "budget_tau": stats.budget_tau(),

@@ -30,16 +30,13 @@ def _save_head(cfg, tiny_base, tmp_path):
     heads.save(heads.build(cfg.heads, tiny_base[0]), tmp_path / "ckpt", tiny_base[2].to_dict())
 
 
-@pytest.mark.parametrize("head", ["ctc", "falcon", "falcon_k1", "eagle3"])
-@pytest.mark.parametrize("mode", ["auto", "dynamic"])
-def test_auto_trees_keep_parity_for_every_tree_head(tiny_base, tiny_model_dir, tmp_path, sharegpt, head, mode,
-                                                    monkeypatch):
-    """Planted high acceptance makes the search pick real trees (an untrained head accepts ~nothing)."""
+@pytest.fixture
+def planted(monkeypatch):
+    """Planted high acceptance makes the search pick real trees (an untrained head accepts ~nothing), and a
+    planted cost model (c(n) = 1 s + 1 ms per node): a measured one on a loaded machine can make one tree size
+    look dear and the search pick the root alone (seen in CI under load)."""
     monkeypatch.setattr(AcceptanceStats, "rank_acceptance", lambda self: [[0.7, 0.2, 0.05]] * 8)
-    planted = {1: 1.0, 2: 1.6, 3: 1.9, 4: 2.3, 6: 2.6, 8: 2.8}
-    monkeypatch.setattr(AcceptanceStats, "budget_tau", lambda self: planted)
-    # a planted cost model too (c(n) = 1 s + 1 ms per node): a measured one on a loaded machine can make
-    # one tree size look dear and the search pick the root alone (seen in CI under load)
+    monkeypatch.setattr(AcceptanceStats, "budget_tau", lambda self: {1: 1.0, 2: 1.6, 3: 1.9, 4: 2.3, 6: 2.6, 8: 2.8})
     import evaluation.tree_auto as tree_auto
 
     real_measure = tree_auto.load_or_measure
@@ -50,6 +47,12 @@ def test_auto_trees_keep_parity_for_every_tree_head(tiny_base, tiny_model_dir, t
         return cost
 
     monkeypatch.setattr(tree_auto, "load_or_measure", planted_cost)
+
+
+@pytest.mark.parametrize("head", ["ctc", "falcon", "falcon_k1", "eagle3"])
+@pytest.mark.parametrize("mode", ["auto", "dynamic"])
+def test_auto_trees_keep_parity_for_every_tree_head(tiny_base, tiny_model_dir, tmp_path, sharegpt, head, mode,
+                                                    planted):
     extra = ["heads.layers=[1,2,3]"] if head == "eagle3" else []  # the tiny base has 4 layers
     cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, head, f"eval.tree={mode}", *extra)
     _save_head(cfg, tiny_base, tmp_path)
@@ -75,6 +78,26 @@ def test_auto_trees_keep_parity_for_every_tree_head(tiny_base, tiny_model_dir, t
         n = chosen["nodes"]
         assert chosen["decoding"] == {"total_tokens": n - 1, "depth": min(8, n - 1), "topk": min(10, n - 1)}
         assert cal["key"]["calibration"] == {"decoding": {"total_tokens": 7}}  # the largest grid budget, 8 nodes
+
+
+def test_tau_objective_drafts_the_highest_tau_tree_of_the_budget(tiny_base, tiny_model_dir, tmp_path, sharegpt,
+                                                                 planted, monkeypatch):
+    """``eval.tree_objective=tau``: the "τ at n nodes" tree, the highest predicted τ of the budget, drafted and
+    verified as chosen (parity kept), where speed stops at depth 1 because a drafter pass is dear."""
+    monkeypatch.setattr(AcceptanceStats, "drafter_seconds_per_pass", lambda self: 5.0)  # 5 verifications a pass
+    reports = {}
+    for objective in ("speed", "tau"):
+        cfg = _cfg(tiny_model_dir, tmp_path / objective, sharegpt, "falcon_k1", "eval.tree_nodes=8",
+                   f"eval.tree_objective={objective}")
+        _save_head(cfg, tiny_base, tmp_path / objective)
+        reports[objective] = run_evaluation(cfg, base=tiny_base)
+    speed, tau = (reports[o]["tree"] for o in ("speed", "tau"))
+    assert speed["objective"] == "speed" and tau["objective"] == "tau"
+    assert speed["chosen"]["depth"] == 1 and tau["chosen"]["depth"] > 1
+    assert tau["chosen"]["tau"] == max(c["tau"] for c in tau["chosen"]["candidates"]) > speed["chosen"]["tau"]
+    assert reports["tau"]["parity"]["matched"] == reports["tau"]["parity"]["total"] == 2
+    trees_seen = max(s["stats"]["tree_nodes"] / max(s["stats"]["steps"], 1) for s in reports["tau"]["per_prompt"])
+    assert 0 < trees_seen <= tau["chosen"]["nodes"] - 1  # verified trees within the chosen one
 
 
 def test_eagle3_budget_charges_the_passes_it_drafts():
@@ -153,6 +176,10 @@ def test_bad_tree_config_is_a_clear_error(tiny_model_dir, tmp_path, sharegpt, ca
         _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.tree_grid=[]")
     with pytest.raises(ConfigError, match="eval.tree_nodes=5 must be one of"):
         _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.tree_nodes=5")
+    with pytest.raises(ConfigError, match="eval.tree_objective='fast' is not valid; choices: speed, tau"):
+        _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.tree_objective=fast")
+    with pytest.raises(ConfigError, match="eval.tree_objective=tau maximises tau at a node budget: set eval.tree_nodes"):
+        _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.tree_objective=tau")
     with pytest.raises(ConfigError, match=r"eval.falcon_tree.paths: rank path \[0, 1\]: its parent \[0\] is missing"):
         _cfg(tiny_model_dir, tmp_path, sharegpt, "falcon", "eval.tree=config", "eval.falcon_tree={paths: [[0, 1]]}")
     with pytest.raises(ConfigError, match=r"heads.decoding.tree.paths: rank path \[1, 0\]: its parent \[1\] is missing"):

@@ -89,6 +89,26 @@ def test_chosen_tree_maximises_predicted_speed_and_is_valid():
     assert zero.paths == [()] and zero.tau == 1.0  # nothing is ever accepted: verify the root alone
 
 
+def test_tau_objective_picks_the_highest_tau_tree_of_the_budget_where_speed_picks_a_cheaper_one():
+    """``objective="tau"`` (``eval.tree_objective=tau``): at a fixed budget, the tree of the highest τ over every
+    rank tree of that many nodes (brute force), even where a deeper tree's extra drafter pass makes speed prefer
+    a shallow one; ``choose_budget`` likewise picks the largest τ(n)."""
+    p = [[0.6, 0.2, 0.1], [0.5, 0.2], [0.4, 0.1]]
+    cost = lambda n: 0.1 + 0.001 * n  # noqa: E731
+    draft = lambda depth: 0.2 * depth  # noqa: E731  a drafter pass dearer than a verification
+    speed = choose_rank_tree(p, cost, draft, [1, 2, 4, 6], max_depth=3, nodes=6)
+    tau = choose_rank_tree(p, cost, draft, [1, 2, 4, 6], max_depth=3, nodes=6, objective="tau")
+    brute = max(expected_tau(t, p) for t in all_rank_trees(6, 3, 3) if len(t) <= 6)
+    assert speed.depth == 1 and speed.tau < brute - 0.1
+    assert tau.tau == pytest.approx(brute) and expected_tau(tau.paths, p) == pytest.approx(brute) and tau.depth > 1
+    assert tau.tokens_per_s == pytest.approx(tau.tau / (cost(len(tau.paths)) + draft(tau.depth)))
+    by_nodes = {2: 1.5, 4: 1.9, 8: 2.1}
+    assert choose_budget(by_nodes, lambda n: 0.1 * n, 0.0).nodes == 2
+    assert choose_budget(by_nodes, lambda n: 0.1 * n, 0.0, objective="tau").nodes == 8
+    with pytest.raises(ValueError, match="objective 'fast'"):
+        choose_rank_tree(p, cost, draft, [4], 3, objective="fast")
+
+
 def test_not_a_tree_and_bad_statistics_are_clear_errors():
     with pytest.raises(TreeError, match=r"parent \[0\] is missing"):
         check_rank_tree([[0, 1]])
