@@ -21,8 +21,9 @@ omegaconf dotlist) and runs, each stage as a subprocess of this repository's ent
    ``eval.timing_threads`` threads (all cores by default), which sizes each head's tree for those
    threads (``eval.tree=auto``: the cost model and calibration are measured then, on a quiet
    machine); then ``eval.shards`` processes (one thread each) decode disjoint question ranges,
-   every turn, for τ and parity, with ``eval.quality_overrides`` (default ``eval.tree_nodes=16``:
-   one node budget for every head, so τ compares heads, not trees) and ``eval.plan_threads`` = the
+   every turn, for τ and parity, with ``eval.quality_overrides`` (default ``eval.tree_nodes=16
+   eval.tree_objective=tau``: each head's highest-τ tree of one node budget, so τ compares heads, not trees
+   or drafter costs) and ``eval.plan_threads`` = the
    timing threads (the cost model and calibration are read from the cache, not re-measured on a
    loaded machine; without a fixed budget they decode with the timing run's tree); ``python -m evaluation.merge``
    joins them and one resumed pass writes the report.  Reports: ``eval/<name>/{timing,quality}/``
