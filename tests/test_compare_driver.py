@@ -67,10 +67,10 @@ def test_compare_driver_end_to_end_and_resume(tiny_setup, capsys):
         assert [r["id"] for r in shards[1]["per_prompt"]] == ["4", "4/turn2", "5", "5/turn2"]
         timing = json.loads((group / "timing" / name / "report.json").read_text())
         assert timing["num_prompts"] == 6 and timing["timing"]["repeats"] == 2 and timing["timing"]["identical_tokens"]
-        # tau at one node budget for every head (quality_overrides: eval.tree_nodes=16), planned from the
+        # tau at one node budget for every head (quality_overrides: eval.tree_nodes=16 tree_objective=tau), from the
         # timing threads' cached cost model (1 here); the timing run decodes with the auto tree
         assert rep["tree"]["applied"] and rep["tree"]["statistics"]["plan_threads"] == timing["threads"] == 1
-        assert rep["tree"]["chosen"]["nodes"] == 16 and timing["tree"]["mode"] == "auto"
+        assert rep["tree"]["chosen"]["nodes"] == 16 and rep["tree"]["objective"] == "tau" and timing["tree"]["mode"] == "auto"
         same = lambda c: {k: v for k, v in c.items() if k != "reused"}  # noqa: E731
         assert same(rep["tree"]["cost_model"]) == same(timing["tree"]["cost_model"])  # one measurement
         assert rep["tree"]["cost_model"]["reused"] or timing["tree"]["cost_model"]["reused"]  # read from the cache
