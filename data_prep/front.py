@@ -146,6 +146,7 @@ def template_conversations(tokenizer, convs: Iterable[Conversation], eos_ids: It
     lost turns counts one ``turns_dropped_<reason>`` per turn, one split into several records counts
     ``split_by_template`` (``stats.fixed``, first id in ``stats.fix_examples``)."""
     eos = set(eos_ids)
+    emitted: set[str] = set()  # record ids yielded: a split record's ``<id>#<k>`` may be another conversation's id
     for conv in convs:
         dropped: list[TemplateError] = []
         past: list[int] = []
@@ -156,6 +157,13 @@ def template_conversations(tokenizer, convs: Iterable[Conversation], eos_ids: It
         except TemplateError as exc:
             stats.drop(exc.reason, conv.id, str(exc))
             continue
+        ids = [conv.id if k == 0 else f"{conv.id}#{k}" for k in range(len(records))]
+        taken = next((i for i in ids if i in emitted), None)
+        if taken is not None:
+            stats.drop("duplicate_id", conv.id, f"its record id {taken!r} is an earlier record's (a template that rewrites "
+                                                "history splits a conversation into records <id>, <id>#1, ...)")
+            continue
+        emitted.update(ids)
         for exc in dropped:  # the conversation is kept without the turns no rendering can give
             stats.fix(f"turns_dropped_{exc.reason}", conv.id, str(exc))
         for i, note in notes:  # kept, but ended otherwise than the template ends them
@@ -163,7 +171,7 @@ def template_conversations(tokenizer, convs: Iterable[Conversation], eos_ids: It
         if len(records) > 1:
             stats.fix("split_by_template", conv.id, f"{len(records)} records: the template rewrites earlier turns")
         for k, segs in enumerate(records):
-            yield TemplatedConversation(conv.id if k == 0 else f"{conv.id}#{k}", conv.id, segs, conv.messages,
+            yield TemplatedConversation(ids[k], conv.id, segs, conv.messages,
                                         len(past) if k == len(records) - 1 else 0)
 
 

@@ -419,10 +419,11 @@ def train_flag(turn: dict) -> tuple[bool | None, str | None]:
 
 def turn_keys(turn: Any, role_key: str) -> tuple[str, str]:
     """The ``(role, text)`` keys ``turn`` is written with: ``role_key``'s pair (:data:`TURN_KEYS`), or the other
-    layout's when the turn lacks ``role_key`` and has the other's (SpecForge's ``conversations`` of
-    ``{role, content}``, a ShareGPT turn among ``messages``)."""
+    layout's when the turn lacks ``role_key`` (or holds null there) and has the other's (SpecForge's
+    ``conversations`` of ``{role, content}``, a ShareGPT turn among ``messages``; a parquet / arrow column that
+    mixes both layouts holds every key of both, the other layout's null)."""
     other = "from" if role_key == "role" else "role"
-    if isinstance(turn, dict) and role_key not in turn and other in turn:
+    if isinstance(turn, dict) and turn.get(role_key) is None and turn.get(other) is not None:
         return TURN_KEYS[other]
     return TURN_KEYS[role_key]
 

@@ -129,6 +129,34 @@ def _is_saved_dataset(p: Path) -> bool:
 _DATA_SUFFIXES = (*_BUILDERS, ".txt", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar")
 
 
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of ``exc``'s cause/context chain (datasets wraps the reader's error)."""
+    seen = {id(exc)}
+    while (nxt := exc.__cause__ or exc.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        exc = nxt
+    return exc
+
+
+def _load_error(spec: SourceSpec, p: Path, exc: BaseException, after: int | None = None) -> UserInputError:
+    """One line for a source ``datasets`` could not load or read: its innermost error, and, where the files
+    of one source disagree on their columns, what to do about it."""
+    cause = _root_cause(exc)
+    first = lambda e: str(e).splitlines()[0] if str(e) else ""  # noqa: E731
+    text = f"{type(cause).__name__}: {first(cause)}" if cause is not exc else f"{type(exc).__name__}: {first(exc)}"
+    where = f" after {after} rows" if after else ""
+    if type(cause).__name__ == "CastError" or "column names don't match" in str(cause):
+        return UserInputError(f"data.path={spec.path!r}: its files do not share one set of columns{where} (e.g. "
+                              "'conversations' in one, 'messages' in another), which one datasets source cannot hold; "
+                              f"list each file as its own data.sources entry ({text[:300]})")
+    has_files = p.is_dir() and any(f.suffix.lower() in _BUILDERS for f in p.iterdir() if f.is_file())
+    if p.is_dir() and not has_files:
+        return UserInputError(f"data.path={spec.path!r}: data files not found in this directory (neither a saved "
+                              f"dataset nor files datasets can load: {text[:300]})")
+    return UserInputError(f"data.path={spec.path!r}: datasets could not {'read' if after is not None else 'load'} "
+                          f"it{where} ({text[:300]})")
+
+
 def _datasets_rows(spec: SourceSpec) -> Iterator[dict]:
     import datasets
 
@@ -155,13 +183,15 @@ def _datasets_rows(spec: SourceSpec) -> Iterator[dict]:
     except UserInputError:
         raise
     except Exception as exc:  # datasets raises many types (DatasetNotFoundError, ValueError, OSError, ...)
-        if p.is_dir():
-            raise UserInputError(f"data.path={spec.path!r}: data files not found in this directory (neither a saved "
-                                 f"dataset nor files datasets can load: {str(exc).splitlines()[0] if str(exc) else ''})"
-                                 ) from exc
-        raise UserInputError(f"data.path={spec.path!r}: datasets could not load it "
-                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
-    for row in ds:
+        raise _load_error(spec, p, exc) from exc
+    rows = iter(ds)
+    while True:
+        try:  # a streamed dataset reads (and casts) its files only now
+            row = next(rows)
+        except StopIteration:
+            break
+        except Exception as exc:
+            raise _load_error(spec, p, exc, after=spec.stats.records) from exc
         spec.stats.records += 1
         yield row
     spec.stats.finished = True

@@ -45,10 +45,17 @@ class Prompt:
     rendering: str = "template"
 
 
+def turn_id(prompt_id: str, turn: int) -> str:
+    """The progress/record id of a prompt's ``turn`` (1-based): the prompt id for turn 1 (so
+    first-turn results keep their ids), ``<id>/turn<k>`` after."""
+    return str(prompt_id) if turn == 1 else f"{prompt_id}/turn{turn}"
+
+
 def _chat_messages(value: list, key: str, where: str) -> list[dict[str, str]]:
     """A ``messages`` prompt field read as data prep reads a ``messages`` record
     (:func:`data_prep.sharegpt.normalize`): roles mapped (``human`` -> user, ``gpt`` -> assistant), text
-    parts joined; an unknown role, an empty turn or a system turn after the first is refused, by message."""
+    parts joined, leading assistant turns dropped, consecutive turns of one role joined by a blank line; an
+    unknown role, an empty turn or a system turn after the first is refused, by message."""
     msgs = []
     for j, m in enumerate(value):
         role_key, text_key = turn_keys(m, "role")  # {role, content}, or a ShareGPT {from, value} as data prep reads
@@ -65,7 +72,17 @@ def _chat_messages(value: list, key: str, where: str) -> list[dict[str, str]]:
         if role == "system" and j > 0:
             raise PromptError(f"{where}: field {key!r}[{j}] is a system turn that is not the first")
         msgs.append({"role": role, "content": text})
-    return msgs
+    first = 1 if msgs and msgs[0]["role"] == "system" else 0
+    lead = first
+    while lead < len(msgs) and msgs[lead]["role"] == "assistant":  # as data prep: leading replies dropped
+        lead += 1
+    merged = msgs[:first]
+    for m in msgs[lead:]:  # as data prep: consecutive turns of one role joined by a blank line
+        if len(merged) > first and merged[-1]["role"] == m["role"]:
+            merged[-1] = {"role": m["role"], "content": merged[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            merged.append(m)
+    return merged
 
 
 def _follow_ups(rec: dict, field: str | None, where: str) -> tuple[str, ...]:
@@ -108,7 +125,25 @@ def _messages_from_record(rec: Any, field: str | None, where: str) -> list[dict[
         value = value[0]
     if not isinstance(value, str) or not value.strip():
         raise PromptError(f"{where}: field {key!r} must be a non-empty string")
+    extra = rec.get("input") if key == "instruction" else None
+    if extra is not None and not isinstance(extra, str):
+        raise PromptError(f"{where}: field 'input' must be a string (Alpaca's input, appended to the instruction)")
+    if extra and extra.strip():  # Alpaca / LLaMA-Factory: the user turn is "instruction\ninput"
+        value = f"{value}\n{extra}"
     return [{"role": "user", "content": value}]
+
+
+def _with_system(rec: dict, msgs: list[dict[str, str]], where: str) -> list[dict[str, str]]:
+    """``msgs`` with the record's top-level ``system`` string (LLaMA-Factory's layouts) as their system turn,
+    as data prep reads it (``system_field_used``), unless they have one already."""
+    system = rec.get("system")
+    if system is None or (isinstance(system, str) and not system.strip()):
+        return msgs
+    if not isinstance(system, str):
+        raise PromptError(f"{where}: field 'system' must be a string (the system prompt)")
+    if msgs and msgs[0]["role"] == "system":
+        return msgs
+    return [{"role": "system", "content": system}, *msgs]
 
 
 def _lone_surrogate(value: Any, path: str = "") -> str | None:
@@ -190,12 +225,12 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
         if half:
             raise PromptError(f"{where}: {half} holds a lone UTF-16 surrogate (an escaped \\ud800-\\udfff without "
                               "its other half: a character cut in two), which no tokenizer can encode; fix the text")
-        pid = next((str(rec[k]) for k in ID_FIELDS if isinstance(rec, dict) and k in rec), f"line{lineno}")
+        pid = next((str(rec[k]) for k in ID_FIELDS if isinstance(rec, dict) and rec.get(k) is not None), f"line{lineno}")
         if pid in lines:
             raise PromptError(f"{where}: id {pid!r} is also the id of line {lines[pid]}; prompt ids must be unique "
                               "(each prompt's results and resume are kept by id)")
         lines[pid] = lineno
-        msgs = _messages_from_record(rec, field, where)
+        msgs = _with_system(rec, _messages_from_record(rec, field, where), where)
         cat = rec.get("category")
         if cat is not None and not isinstance(cat, str):
             raise PromptError(f"{where}: field 'category' must be a string, got {type(cat).__name__}")
@@ -204,6 +239,11 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
             break
     if not out:
         raise PromptError(f"{path}: no prompts")
+    for rec in out:  # a later turn's results are kept as <id>/turn<k> (evaluation.turns.turn_id)
+        for k in range(2, len(rec["follow_ups"]) + 2):
+            if (key := turn_id(rec["id"], k)) in lines:
+                raise PromptError(f"{path}:{lines[key]}: id {key!r} is the key of turn {k} of line {lines[rec['id']]}'s "
+                                  f"prompt {rec['id']!r} (each turn's results are kept by <id>/turn<k>); rename it")
     return out
 
 

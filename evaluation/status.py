@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from evaluation.turns import turn_id
+from evaluation.prompts import turn_id
 
 
 def skipped_turn(prompt_id: str, turn: int, last_turn: int, exc: BaseException) -> dict[str, Any]:

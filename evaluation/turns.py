@@ -19,13 +19,8 @@ from typing import Sequence
 import torch
 
 from core.follow_up import follow_up
-from evaluation.prompts import Prompt, PromptError
+from evaluation.prompts import Prompt, PromptError, turn_id
 
-
-def turn_id(prompt_id: str, turn: int) -> str:
-    """The progress/record id of a prompt's ``turn`` (1-based): the prompt id for turn 1 (so
-    first-turn results keep their ids), ``<id>/turn<k>`` after."""
-    return str(prompt_id) if turn == 1 else f"{prompt_id}/turn{turn}"
 
 
 def follow_up_prompt(tokenizer, prompt: Prompt, answer_tokens: Sequence[int], eos_ids: Sequence[int]) -> Prompt:

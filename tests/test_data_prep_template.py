@@ -113,6 +113,22 @@ def _gen_ids(tok, msgs):
     return list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False, add_generation_prompt=True))
 
 
+def test_a_split_records_id_never_repeats_another_conversations_id():
+    """A template that rewrites history splits conversation ``abc`` into records ``abc``, ``abc#1``: a real
+    conversation ``abc#1`` (before or after it) is dropped and counted as ``duplicate_id``, so the cache's ids
+    stay unique."""
+    tok = _tok(QWEN3_STYLE)
+    eos = {tok.eos_token_id}
+    for order in (["abc", "abc#1"], ["abc#1", "abc"]):
+        convs = {"abc": Conversation("abc", QA2), "abc#1": Conversation("abc#1", QA2[:2])}
+        stats = ReadStats()
+        recs = list(template_conversations(tok, [convs[i] for i in order], eos, 512, stats))
+        ids = [r.id for r in recs]
+        assert len(ids) == len(set(ids)) and stats.dropped["duplicate_id"] == 1
+        assert ids == (["abc", "abc#1"] if order[0] == "abc" else ["abc#1"])
+        assert stats.examples["duplicate_id"]["id"] == order[1] and "'abc#1'" in stats.examples["duplicate_id"]["message"]
+
+
 def test_qwen3_style_template_context_is_the_generation_prompt_and_the_think_block_is_written():
     tok = _tok(QWEN3_STYLE)
     eos = {tok.eos_token_id}

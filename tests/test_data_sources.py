@@ -194,3 +194,41 @@ def test_a_malformed_data_sources_is_one_line_before_any_read(sources, said):
     with pytest.raises(UserInputError) as exc:
         source_specs(compose([f"data.sources={sources}"]).data)
     assert str(exc.value).startswith(said), str(exc.value)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_folder_of_files_with_different_columns_is_one_line_that_says_so(tmp_path, streaming):
+    """datasets#7322-style: one file of ``conversations``, one of ``messages`` in one folder.  Not a traceback
+    from the streamed rows, and not "data files not found" when the files are there."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps(_sharegpt(0)))
+    (folder / "b.jsonl").write_text(json.dumps(_messages(1)))
+    with pytest.raises(UserInputError, match=r"data.path='.*mixed': its files do not share one set of columns.*"
+                                             r"list each file as its own data.sources entry"):
+        read_split(_data_cfg(f"data.path={folder}", f"data.streaming={str(streaming).lower()}"))
+    (folder / "c.jsonl").write_text(json.dumps(_messages(2)))  # the mixture the message asks for reads them all
+    spec = ", ".join(f"{{path: {folder / n}}}" for n in ("a.jsonl", "b.jsonl", "c.jsonl"))
+    assert sorted(_ids(read_split(_data_cfg(f"data.sources=[{spec}]")))) == ["m1", "m2", "s0"]
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "arrow"])
+def test_a_columnar_file_mixing_sharegpt_and_role_content_turns_keeps_both(tmp_path, suffix):
+    """Arrow holds one struct for every turn of a column: a ShareGPT turn gets ``role``/``content`` = null and a
+    SpecForge turn ``from``/``value`` = null.  Each record is read by the keys it fills."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sf = {"id": "sf", "conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    table = pa.Table.from_pylist([_sharegpt(0), sf])
+    path = tmp_path / f"mixed.{suffix}"
+    if suffix == "parquet":
+        pq.write_table(table, path)
+    else:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:  # datasets' arrow
+            writer.write_table(table)
+    data = read_split(_data_cfg(f"data.path={path}"))
+    assert sorted(_ids(data)) == ["s0", "sf"] and not data.stats.dropped
+    conv = next(c for c in data.train + data.val if c.id == "sf")
+    assert conv.messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    assert data.stats.fixed["turn_keys_role_content"] == 1

@@ -71,6 +71,31 @@ def test_bad_prompt_files_name_the_line(tmp_path):
         read_jsonl_prompts(bad)
 
 
+def test_prompt_ids_and_fields_read_as_data_prep_reads_them(tmp_path):
+    """A null id field is skipped (the next one, else line<N>); an id that is another prompt's turn key
+    (``<id>/turn<k>``) is refused by line before any decoding; Alpaca's ``input`` joins its instruction and a
+    top-level ``system`` field is the system turn (LLaMA-Factory); ``messages`` are normalised as data prep
+    does (leading replies dropped, consecutive turns of one role joined)."""
+    f = tmp_path / "p.jsonl"
+    rows = [{"question_id": None, "id": "x1", "turns": ["a"]}, {"question_id": None, "turns": ["b"]},
+            {"id": "alp", "instruction": "Translate to French.", "input": "The quick brown fox", "output": "..."},
+            {"id": "lf", "system": "Answer in one word.", "conversations": [{"from": "human", "value": "Hello!"},
+                                                                           {"from": "gpt", "value": "Hi"}]},
+            {"id": "msg", "messages": [{"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "A"},
+                                       {"role": "user", "content": "B"}, {"role": "assistant", "content": "r"},
+                                       {"role": "user", "content": "C"}, {"role": "user", "content": "D"}]}]
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    got = {r["id"]: r for r in read_jsonl_records(f)}
+    assert list(got) == ["x1", "line2", "alp", "lf", "msg"]
+    assert got["alp"]["messages"] == [{"role": "user", "content": "Translate to French.\nThe quick brown fox"}]
+    assert got["lf"]["messages"] == [{"role": "system", "content": "Answer in one word."},
+                                     {"role": "user", "content": "Hello!"}]
+    assert got["msg"]["messages"] == [{"role": "user", "content": "A\n\nB"}] and got["msg"]["follow_ups"] == ("C\n\nD",)
+    f.write_text(json.dumps({"id": "q1", "turns": ["a", "b"]}) + "\n" + json.dumps({"id": "q1/turn2", "turns": ["c"]}))
+    with pytest.raises(PromptError, match=r"p.jsonl:2: id 'q1/turn2' is the key of turn 2 of line 1's prompt 'q1'"):
+        read_jsonl_records(f)
+
+
 def test_cli_oracle_report(tiny_model_dir, tmp_path, prompts_file, capsys):
     assert rewrite_argv(["checkpoint=x", "heads=ctc"]) == ["eval.checkpoint=x", "heads=ctc"]
     rc = main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", f"eval.prompts={prompts_file}",
