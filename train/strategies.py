@@ -26,6 +26,8 @@ avx512_bf16), else 32-true (:mod:`core.precision`, docs/precision.md).
 """
 from __future__ import annotations
 
+import gc
+
 import argparse
 import logging
 import os
@@ -498,7 +500,11 @@ def shutdown_distributed() -> bool:
     interpreter that is being torn down, and the process aborts with "terminate called without
     an active exception" (exit -6) after a run that finished (pytorch/pytorch#190489, #179291).
     ``destroy_process_group`` joins those threads while the interpreter is whole; the barrier
-    first lets every peer finish its last collective before any connection closes.
+    first lets every peer finish its last collective before any connection closes.  Before both, a
+    garbage collection frees what only reference cycles still hold (a finished run's trainer and
+    DeepSpeed engine, with their ZeRO-3 gather handles) while the group and the interpreter are whole:
+    left to interpreter exit, such handles can abort a rank the same way after ``destroy_process_group``
+    (seen once more in CI, rank 1 of the ZeRO-3 draft-vocabulary launch, after the run had finished).
 
     Returns True if a process group was destroyed (False: none was initialized).
     """
@@ -506,6 +512,7 @@ def shutdown_distributed() -> bool:
 
     if not (dist.is_available() and dist.is_initialized()):
         return False
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     return True
