@@ -428,6 +428,26 @@ def turn_keys(turn: Any, role_key: str) -> tuple[str, str]:
     return TURN_KEYS[role_key]
 
 
+def body_turns(messages: list[dict]) -> tuple[list[dict], int, int]:
+    """The turns after an optional first system turn, read as every reader here reads them: leading assistant
+    turns dropped, consecutive turns of one role joined by a blank line (a joined reply is trained only if each
+    part is).  Returns ``(turns, leading replies dropped, turns joined into the one before)``."""
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    lead = first
+    while lead < len(messages) and messages[lead]["role"] == "assistant":
+        lead += 1
+    merged: list[dict] = []
+    for m in messages[lead:]:
+        if merged and merged[-1]["role"] == m["role"]:
+            joined = {"role": m["role"], "content": merged[-1]["content"] + "\n\n" + m["content"]}
+            if merged[-1].get("train", True) is False or m.get("train", True) is False:
+                joined["train"] = False
+            merged[-1] = joined
+        else:
+            merged.append(dict(m))
+    return merged, lead - first, len(messages) - lead - len(merged)
+
+
 def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None = None,
               id_prefix: str = "record-") -> Conversation | Drop:
     """Validate and normalise one ShareGPT or ``messages`` record (rules in the module doc).
@@ -505,29 +525,17 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
     if any(m["role"] == "system" for m in messages[1:]):
         return Drop("misplaced_system", "a system turn that is not the first turn")
     first = 1 if messages and messages[0]["role"] == "system" else 0
-    lead = first
-    while lead < len(messages) and messages[lead]["role"] == "assistant":
-        lead += 1
-    body = messages[lead:]
-    merged: list[dict[str, str]] = []
-    for m in body:
-        if merged and merged[-1]["role"] == m["role"]:
-            joined = {"role": m["role"], "content": merged[-1]["content"] + "\n\n" + m["content"]}
-            if merged[-1].get("train", True) is False or m.get("train", True) is False:
-                joined["train"] = False
-            merged[-1] = joined
-        else:
-            merged.append(dict(m))
+    merged, leading, joined = body_turns(messages)
     trained = [i for i, m in enumerate(merged) if trained_turn(m)]
     if not trained:
         return Drop("no_assistant_turn", "no assistant turn after a user turn" if not any(
             m["role"] == "assistant" for m in merged) else "every assistant turn is marked not to train")
     last_assistant = trained[-1]
     untrained = sum(1 for m in merged[: last_assistant + 1] if m.get("train", True) is False)
-    if lead > first:
-        fixes["leading_assistant_dropped"] = f"{lead - first} leading assistant turn(s) dropped"
-    if len(merged) < len(body):
-        fixes["merged_consecutive_roles"] = f"{len(body) - len(merged)} turn(s) merged into the turn before (same role)"
+    if leading:
+        fixes["leading_assistant_dropped"] = f"{leading} leading assistant turn(s) dropped"
+    if joined:
+        fixes["merged_consecutive_roles"] = f"{joined} turn(s) merged into the turn before (same role)"
     if untrained:
         fixes["turns_not_trained"] = f"{untrained} assistant turn(s) marked not to train: kept as context"
     if last_assistant + 1 < len(merged):

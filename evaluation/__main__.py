@@ -41,13 +41,11 @@ def check_head_overrides(argv: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from core.config import cli
+    from core.config import ConfigError, cli
     from evaluation.cli import run_and_report
     from evaluation.runner import run_evaluation
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from core.config import ConfigError
-
     try:
         args = rewrite_argv(sys.argv[1:] if argv is None else argv)
         check_head_overrides(args)

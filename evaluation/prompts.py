@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from core.chat_template import apply_chat_template
-from data_prep.sharegpt import message_role, replace_lone_surrogates, turn_keys, turn_text
+from data_prep.sharegpt import body_turns, message_role, replace_lone_surrogates, turn_keys, turn_text
 from data_prep.template import special_token_texts
 
 AUTO_FIELDS = ("turns", "prompt", "instruction", "question", "text", "messages", "conversations")
@@ -72,17 +72,7 @@ def _chat_messages(value: list, key: str, where: str) -> list[dict[str, str]]:
         if role == "system" and j > 0:
             raise PromptError(f"{where}: field {key!r}[{j}] is a system turn that is not the first")
         msgs.append({"role": role, "content": text})
-    first = 1 if msgs and msgs[0]["role"] == "system" else 0
-    lead = first
-    while lead < len(msgs) and msgs[lead]["role"] == "assistant":  # as data prep: leading replies dropped
-        lead += 1
-    merged = msgs[:first]
-    for m in msgs[lead:]:  # as data prep: consecutive turns of one role joined by a blank line
-        if len(merged) > first and merged[-1]["role"] == m["role"]:
-            merged[-1] = {"role": m["role"], "content": merged[-1]["content"] + "\n\n" + m["content"]}
-        else:
-            merged.append(m)
-    return merged
+    return msgs[: 1 if msgs and msgs[0]["role"] == "system" else 0] + body_turns(msgs)[0]  # as data prep
 
 
 def _follow_ups(rec: dict, field: str | None, where: str) -> tuple[str, ...]:

@@ -26,9 +26,8 @@ avx512_bf16), else 32-true (:mod:`core.precision`, docs/precision.md).
 """
 from __future__ import annotations
 
-import gc
-
 import argparse
+import gc
 import logging
 import os
 from typing import Any
