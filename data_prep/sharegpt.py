@@ -41,7 +41,14 @@ Normalisation rules (issues 15, 28): every change to a kept record is counted un
 * turns after the last trained assistant turn are dropped (``trailing_turns_dropped``: they carry no loss);
 * a lone UTF-16 surrogate (``"\\ud83d"`` in the JSON: half of an emoji cut by a scraper; no tokenizer
   can encode it, and a UTF-8 file cannot hold it) becomes U+FFFD, as undecodable bytes do
-  (``lone_surrogates_replaced``).  JSON's escaped surrogate *pairs* are whole characters already.
+  (``lone_surrogates_replaced``), in turn text, the ``system`` field and the record id alike.  JSON's
+  escaped surrogate *pairs* are whole characters already.
+
+A record is refused, not altered, when it carries what this pipeline cannot render: a non-string top-level
+``system`` (``non_string_value``), or tool calls, tool schemas or reasoning (``unsupported_field``: a turn's
+:data:`UNSUPPORTED_TURN_KEYS` or the record's :data:`UNSUPPORTED_RECORD_KEYS`, non-empty).  Keeping only its
+text would train the drafter on a reply the base never gives (speculators#561's kind).  A float NaN (pandas'
+null) reads as null everywhere.
 
 Templating adds its own (:mod:`data_prep.front`): ``split_by_template`` and ``turns_dropped_<reason>``.
 """
@@ -50,6 +57,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -73,7 +81,14 @@ BAD_REASONS = (
     "no_assistant_turn",      # no user turn followed by an assistant turn (after dropping leading assistant turns)
     "misplaced_system",       # a system turn that is not the first turn
     "bad_train_flag",         # a turn's ``train`` / ``training`` / ``weight`` flag that is not a boolean, 0 or 1
+    "unsupported_field",      # tool calls, tool results or reasoning (UNSUPPORTED_*_KEYS): text alone would misstate the reply
 )
+
+#: turn keys whose content is part of the turn but not of its text (OpenAI tool calls and results, the reasoning of
+#: reasoning models): a turn holding one non-empty is refused (``unsupported_field``)
+UNSUPPORTED_TURN_KEYS = ("tool_calls", "function_call", "tool_call_id", "reasoning_content", "reasoning")
+#: record keys the chat template would render into the prompt (tool schemas): refused when non-empty
+UNSUPPORTED_RECORD_KEYS = ("tools", "functions")
 
 #: per-turn keys that mark an assistant turn as trained or not (axolotl's ``training`` and ShareGPT ``weight``
 #: fields, the ``train`` flag of other chat datasets), read in this order: the first present, non-null one decides
@@ -215,7 +230,9 @@ def _utf8_len(text: str) -> int:
 
 
 def _is_record_shaped(obj: Any) -> bool:
-    return isinstance(obj, dict) and ("conversations" in obj or "messages" in obj or "id" in obj)
+    """A dict holding a turn list: what the reader resynchronises on (an ``id`` alone is not enough: OpenAI and
+    OASST exports give every message one, and a cut record's messages must not pass for records)."""
+    return isinstance(obj, dict) and ("conversations" in obj or "messages" in obj)
 
 
 _REPLACED = [0]  # bytes replaced by the "draftheads-count" codec error handler (single-threaded reader)
@@ -244,8 +261,9 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encodi
 
     Every complete record is yielded in file order, even when the file is cut off or has corrupt
     regions: after a value that cannot be decoded the reader skips to the next ``{`` that starts
-    a record-shaped object (a dict with ``id`` or ``conversations``) and adds the skipped bytes
-    to ``stats.unparsed_bytes``.
+    a record-shaped object (a dict with ``conversations`` or ``messages``) and adds the skipped bytes
+    to ``stats.unparsed_bytes``.  Arrays are containers, wherever they open: ``[...][...]`` (two
+    arrays written back to back, datasets#7037, or ``cat a.json b.json``) yields the records of both.
 
     Args:
         path: the file.
@@ -290,18 +308,13 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encodi
             stats.unparsed(_utf8_len(text), str(path), lines_before + buf.count("\n", 0, start) + 1, text)
 
         fill()
-        # skip whitespace and an opening '[' of a JSON array
+        if buf.startswith("\ufeff"):  # a byte-order mark
+            pos = 1
         while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n\ufeff":
-                pos += 1
-            if pos < len(buf) or not fill():
-                break
-        if pos < len(buf) and buf[pos] == "[":
-            pos += 1
-        while True:
-            # separators between records: whitespace, commas, a closing ']'
+            # separators between records: whitespace, commas, and the brackets of arrays (every array is a
+            # container of records, the file's and any written after it)
             while True:
-                while pos < len(buf) and buf[pos] in " \t\r\n,]":
+                while pos < len(buf) and buf[pos] in " \t\r\n,[]":
                     pos += 1
                 if pos < len(buf) or not fill():
                     break
@@ -381,16 +394,28 @@ def message_role(raw: Any) -> str | None:
     return ROLE_MAP.get(str(raw).strip().lower())
 
 
+def is_null(value: Any) -> bool:
+    """None, or a float NaN (pandas' and parquet-through-pandas' null)."""
+    return value is None or isinstance(value, float) and math.isnan(value)
+
+
 def record_id(record: Any, index: int, id_prefix: str = "record-") -> str:
-    """The record's id (``id``, else ``conversation_id`` / ``prompt_id``), else ``<id_prefix><index>``
-    (``record-<index>``; a mixture's sources get ``record-<source>-`` so that id-less records of two
-    sources never share an id, :func:`data_prep.sources.source_specs`)."""
+    """The record's id (``id``, else ``conversation_id`` / ``prompt_id``; null, NaN and ``""`` skipped), else
+    ``<id_prefix><index>`` (``record-<index>``; a mixture's sources get ``record-<source>-`` so that id-less
+    records of two sources never share an id, :func:`data_prep.sources.source_specs`).  A lone UTF-16
+    surrogate in it reads as U+FFFD (:func:`replace_lone_surrogates`): ids are written to UTF-8 JSON."""
+    rid = _written_id(record)
+    return replace_lone_surrogates(rid)[0] if rid is not None else f"{id_prefix}{index}"
+
+
+def _written_id(record: Any) -> str | None:
+    """The id a record is written with (:func:`record_id`'s keys, as text), else None."""
     if isinstance(record, dict):
         for key in ("id", "conversation_id", "prompt_id"):
             rid = record.get(key)
-            if rid is not None and str(rid) != "":
+            if not is_null(rid) and str(rid) != "":
                 return str(rid)
-    return f"{id_prefix}{index}"
+    return None
 
 
 #: a turn's (role, text) keys by its role key: ``messages`` turns ``{role, content}``, ShareGPT ``{from, value}``
@@ -404,10 +429,10 @@ def trained_turn(message: dict) -> bool:
 
 def train_flag(turn: dict) -> tuple[bool | None, str | None]:
     """A turn's training flag (:data:`TRAIN_FLAG_KEYS`): ``(trained, key)``, ``(None, None)`` when no key is
-    present and non-null, ``(None, key)`` when ``key``'s value is neither a boolean nor 0 / 1."""
+    present and non-null (NaN is null), ``(None, key)`` when ``key``'s value is neither a boolean nor 0 / 1."""
     for key in TRAIN_FLAG_KEYS:
         value = turn.get(key)
-        if value is None:
+        if is_null(value):
             continue
         if isinstance(value, bool):
             return value, key
@@ -421,9 +446,9 @@ def turn_keys(turn: Any, role_key: str) -> tuple[str, str]:
     """The ``(role, text)`` keys ``turn`` is written with: ``role_key``'s pair (:data:`TURN_KEYS`), or the other
     layout's when the turn lacks ``role_key`` (or holds null there) and has the other's (SpecForge's
     ``conversations`` of ``{role, content}``, a ShareGPT turn among ``messages``; a parquet / arrow column that
-    mixes both layouts holds every key of both, the other layout's null)."""
+    mixes both layouts holds every key of both, the other layout's null or NaN)."""
     other = "from" if role_key == "role" else "role"
-    if isinstance(turn, dict) and turn.get(role_key) is None and turn.get(other) is not None:
+    if isinstance(turn, dict) and is_null(turn.get(role_key)) and not is_null(turn.get(other)):
         return TURN_KEYS[other]
     return TURN_KEYS[role_key]
 
@@ -446,6 +471,32 @@ def body_turns(messages: list[dict]) -> tuple[list[dict], int, int]:
         else:
             merged.append(dict(m))
     return merged, lead - first, len(messages) - lead - len(merged)
+
+
+def unsupported_field(record: dict, turns: list) -> str | None:
+    """Where the first non-empty :data:`UNSUPPORTED_RECORD_KEYS` / :data:`UNSUPPORTED_TURN_KEYS` value of a record
+    is (``"turn 1: 'tool_calls'"``), else None.  Null, NaN, ``""`` and empty lists or dicts are empty (a parquet
+    column shared with other records holds them)."""
+    def filled(v):
+        return not is_null(v) and not (isinstance(v, (str, list, dict)) and not v)
+    key = next((k for k in UNSUPPORTED_RECORD_KEYS if filled(record.get(k))), None)
+    if key:
+        return f"the record's {key!r}"
+    return next((f"turn {t}: {k!r}" for t, turn in enumerate(turns) if isinstance(turn, dict)
+                 for k in UNSUPPORTED_TURN_KEYS if filled(turn.get(k))), None)
+
+
+def turn_list(value: Any) -> tuple[Any, bool]:
+    """A record's turn list: ``(value, False)``, or ``(the parsed list, True)`` when it is a JSON string (a CSV
+    cell, any string column) that parses to a list."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            return value, False
+        if isinstance(parsed, list):
+            return parsed, True
+    return value, False
 
 
 def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None = None,
@@ -474,20 +525,20 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
             else "sharegpt"
     list_key, role_key, text_key = keys[fmt]
     fixes: dict[str, str] = {}  # rule -> message (one count per record and rule)
-    turns = record.get(list_key) if isinstance(record, dict) else None
-    if isinstance(turns, str) and turns.lstrip().startswith("["):  # a CSV cell (or any string column) holding JSON
-        try:
-            turns = json.loads(turns)
-            fixes["json_string_parsed"] = f"the {list_key!r} column is a JSON string: parsed"
-        except json.JSONDecodeError:
-            pass
+    turns, parsed = turn_list(record.get(list_key) if isinstance(record, dict) else None)
+    if parsed:
+        fixes["json_string_parsed"] = f"the {list_key!r} column is a JSON string: parsed"
     if not isinstance(turns, list):
         return Drop("missing_conversations", f"no {list_key!r} list in the record")
+    if where := unsupported_field(record, turns):
+        return Drop("unsupported_field", f"{where} holds tool calls, tool schemas or reasoning, which this pipeline "
+                                         "does not render: training on the text alone would misstate the reply")
     messages: list[dict[str, str]] = []
+    list_role_key = role_key
     for t, turn in enumerate(turns):
-        if (keys := turn_keys(turn, role_key))[0] != role_key:  # SpecForge: conversations of {role, content}
-            role_key, text_key = keys
-            fixes.setdefault(f"turn_keys_{role_key}_{text_key}", f"turns keyed {role_key}/{text_key} under {list_key!r}")
+        if (keys := turn_keys(turn, list_role_key))[0] != list_role_key:  # SpecForge: conversations of {role, content}
+            fixes.setdefault(f"turn_keys_{keys[0]}_{keys[1]}", f"turns keyed {keys[0]}/{keys[1]} under {list_key!r}")
+        role_key, text_key = keys
         text = turn_text(turn.get(text_key)) if isinstance(turn, dict) else None
         if text is None:
             return Drop("non_string_value", f"turn {t}: {text_key!r} is missing or not a string")
@@ -516,7 +567,12 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
             message["train"] = False
         messages.append(message)
     system = record.get("system")  # LLaMA-Factory's sharegpt layout: the system prompt beside the turns
+    if not is_null(system) and not isinstance(system, str):
+        return Drop("non_string_value", f"the record's 'system' field is a {type(system).__name__}, not a string")
     if isinstance(system, str) and system.strip():
+        system, halves = replace_lone_surrogates(system)
+        if halves:
+            fixes.setdefault("lone_surrogates_replaced", f"'system': {halves} lone UTF-16 surrogate(s) read as U+FFFD")
         if not (messages and messages[0]["role"] == "system"):
             messages.insert(0, {"role": "system", "content": system})
             fixes.setdefault("system_field_used", "the record's 'system' field is its system turn")
@@ -543,6 +599,8 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
                                            "assistant turn dropped")
     if fixed is not None:
         fixed.update(fixes.keys())
+    if _LONE_SURROGATE.search(_written_id(record) or ""):
+        fixes.setdefault("lone_surrogates_replaced", "the record id: lone UTF-16 surrogate(s) read as U+FFFD")
     return Conversation(id=record_id(record, index, id_prefix), messages=messages[:first] + merged[: last_assistant + 1],
                         fixes=sorted(fixes.items()))
 

@@ -157,6 +157,22 @@ def _load_error(spec: SourceSpec, p: Path, exc: BaseException, after: int | None
                           f"it{where} ({text[:300]})")
 
 
+def _csv_as_written(path: Path) -> dict:
+    """``load_dataset("csv")`` options that keep every cell as the text written: pandas would read the ids
+    ``007`` and ``7`` both as 7 (``7.0`` beside an empty cell) and ``NA`` as null.  Every column of the header
+    is a string (the turn lists are JSON text either way); an empty cell is ``""``."""
+    import csv
+
+    import datasets
+
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as fh:
+        header = next(csv.reader(fh), [])
+    if not header or len(set(header)) != len(header):  # let datasets report it
+        return {}
+    return {"features": datasets.Features({name: datasets.Value("string") for name in header}),
+            "keep_default_na": False}
+
+
 def _datasets_rows(spec: SourceSpec) -> Iterator[dict]:
     import datasets
 
@@ -175,7 +191,8 @@ def _datasets_rows(spec: SourceSpec) -> Iterator[dict]:
             if builder is None:
                 raise UserInputError(f"data.path={spec.path!r}: unsupported file type {p.suffix!r} "
                                      f"(supported: {', '.join(sorted(_BUILDERS))}, or a saved dataset directory)")
-            ds = datasets.load_dataset(builder, data_files=str(p), split="train", streaming=spec.streaming)
+            ds = datasets.load_dataset(builder, data_files=str(p), split="train", streaming=spec.streaming,
+                                       **(_csv_as_written(p) if builder == "csv" else {}))
         else:
             if not p.exists() and names_a_local_path(spec.path, _DATA_SUFFIXES):
                 raise UserInputError(f"data.path={spec.path!r}: no such file or directory")

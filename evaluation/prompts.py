@@ -14,10 +14,15 @@ from typing import Any, Sequence
 import torch
 
 from core.chat_template import apply_chat_template
-from data_prep.sharegpt import body_turns, message_role, replace_lone_surrogates, turn_keys, turn_text
+from data_prep.sharegpt import (body_turns, message_role, replace_lone_surrogates, turn_keys, turn_list, turn_text,
+                                unsupported_field)
 from data_prep.template import special_token_texts
 
-AUTO_FIELDS = ("turns", "prompt", "instruction", "question", "text", "messages", "conversations")
+#: prompt fields, in the order they are looked for: a chat list before a single prompt string, as data prep reads a
+#: record holding both (HuggingFaceH4/no_robots and ultrachat_200k keep ``prompt`` beside the whole ``messages``)
+AUTO_FIELDS = ("turns", "conversations", "messages", "prompt", "instruction", "question", "text")
+#: chat-list fields: a list of turns, or that list kept as a JSON string (a CSV column), as data prep reads them
+CHAT_FIELDS = ("conversations", "messages")
 ID_FIELDS = ("question_id", "id", "prompt_id", "conversation_id")
 
 
@@ -75,12 +80,22 @@ def _chat_messages(value: list, key: str, where: str) -> list[dict[str, str]]:
     return msgs[: 1 if msgs and msgs[0]["role"] == "system" else 0] + body_turns(msgs)[0]  # as data prep
 
 
+def _prompt_field(rec: dict, field: str | None) -> str | None:
+    """``field``, else the first of :data:`AUTO_FIELDS` the record holds non-null, else None."""
+    return field or next((k for k in AUTO_FIELDS if rec.get(k) is not None), None)
+
+
+def _field_value(rec: dict, key: str) -> Any:
+    """``rec[key]``; a chat list kept as a JSON string parsed (:func:`data_prep.sharegpt.turn_list`)."""
+    return turn_list(rec[key])[0] if key in CHAT_FIELDS else rec[key]
+
+
 def _follow_ups(rec: dict, field: str | None, where: str) -> tuple[str, ...]:
     """The user turns after the first: an MT-bench style record's later ``turns`` (strings), or a
     ``messages`` record's later user messages (its assistant messages are not used: every turn is
     answered by the base, as MT-bench's turn 2 follows the model's own answer)."""
-    key = field or next((k for k in AUTO_FIELDS if k in rec), None)
-    value = rec.get(key) if key else None
+    key = _prompt_field(rec, field)
+    value = _field_value(rec, key) if key in rec else None
     if isinstance(value, list) and value and isinstance(value[0], dict):
         users = [m["content"] for m in _chat_messages(value, key, where) if m["role"] == "user"]
         return tuple(users[1:])
@@ -95,13 +110,15 @@ def _follow_ups(rec: dict, field: str | None, where: str) -> tuple[str, ...]:
 def _messages_from_record(rec: Any, field: str | None, where: str) -> list[dict[str, str]]:
     if not isinstance(rec, dict):
         raise PromptError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    keys = [field] if field else [k for k in AUTO_FIELDS if k in rec]
-    if not keys or keys[0] not in rec:
+    key = _prompt_field(rec, field)
+    if key is None or key not in rec:
         raise PromptError(f"{where}: no prompt field (looked for {field or ', '.join(AUTO_FIELDS)}; "
                           f"record keys: {', '.join(map(str, rec))})")
-    key = keys[0]
-    value = rec[key]
-    if key == "messages" or (isinstance(value, list) and value and isinstance(value[0], dict)):
+    value = _field_value(rec, key)
+    if unsupported := unsupported_field(rec, value if isinstance(value, list) else []):
+        raise PromptError(f"{where}: {unsupported} holds tool calls, tool schemas or reasoning, which the evaluation "
+                          "does not render (data prep refuses such records too: unsupported_field)")
+    if key in CHAT_FIELDS or (isinstance(value, list) and value and isinstance(value[0], dict)):
         if not isinstance(value, list):
             raise PromptError(f"{where}: field {key!r} must be a list of {{role, content}} messages")
         msgs = _chat_messages(value, key, where)
@@ -173,9 +190,9 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
     non-blank line).
 
     The id is the first of ``question_id`` / ``id`` / ``prompt_id`` / ``conversation_id``, else
-    ``line<N>``.  The prompt is ``field`` (or the first of :data:`AUTO_FIELDS` present): a string,
-    a list of strings (the first is taken: MT-bench ``turns``), or a list of chat messages (up to
-    the first user message).  ``category`` is the record's ``category`` (a string, else None);
+    ``line<N>`` (null and ``""`` skipped).  The prompt is ``field`` (or the first of :data:`AUTO_FIELDS` present
+    and non-null): a string, a list of strings (the first is taken: MT-bench ``turns``), or a list of chat
+    messages, or that list as a JSON string (up to the first user message).  ``category`` is the record's ``category`` (a string, else None);
     ``follow_ups`` the later strings of a list-of-strings prompt field (MT-bench turns 2..n).
 
     Raises:
@@ -215,7 +232,8 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
         if half:
             raise PromptError(f"{where}: {half} holds a lone UTF-16 surrogate (an escaped \\ud800-\\udfff without "
                               "its other half: a character cut in two), which no tokenizer can encode; fix the text")
-        pid = next((str(rec[k]) for k in ID_FIELDS if isinstance(rec, dict) and rec.get(k) is not None), f"line{lineno}")
+        pid = next((str(rec[k]) for k in ID_FIELDS if isinstance(rec, dict) and rec.get(k) not in (None, "")),
+                   f"line{lineno}")
         if pid in lines:
             raise PromptError(f"{where}: id {pid!r} is also the id of line {lines[pid]}; prompt ids must be unique "
                               "(each prompt's results and resume are kept by id)")

@@ -232,3 +232,20 @@ def test_a_columnar_file_mixing_sharegpt_and_role_content_turns_keeps_both(tmp_p
     conv = next(c for c in data.train + data.val if c.id == "sf")
     assert conv.messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
     assert data.stats.fixed["turn_keys_role_content"] == 1
+
+
+def test_a_csv_is_read_as_written(tmp_path):
+    """pandas' type guessing read the ids ``007`` and ``7`` both as ``7.0`` (one conversation then dropped as a
+    duplicate, and every id differed from the same data saved as JSONL) and the system prompt ``NA`` as null."""
+    import csv
+
+    turns = json.dumps([{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}])
+    path = tmp_path / "ids.csv"
+    with open(path, "w", newline="") as fh:
+        csv.writer(fh).writerows([["id", "system", "conversations"], ["007", "", turns], ["7", "NA", turns],
+                                  ["", "", turns], ["12", "", turns]])
+    data = read_split(_data_cfg(f"data.path={path}"))
+    convs = {c.id: c for c in data.train + data.val}
+    assert list(convs) == ["007", "7", "record-2", "12"] and not data.stats.dropped
+    assert convs["7"].messages[0] == {"role": "system", "content": "NA"}
+    assert convs["007"].messages[0] == {"role": "user", "content": "q"}

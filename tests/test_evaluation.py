@@ -558,7 +558,12 @@ def test_prompt_records_are_read_as_data_prep_reads_messages(tmp_path):
                       ({"messages": [{"role": "robot", "content": "x"}]}, r"unknown role 'robot'"),
                       ({"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]},
                        r"\[1\] is a system turn that is not the first"),
-                      ({"messages": "hello"}, r"must be a list of \{role, content\} messages")]:
+                      ({"messages": "hello"}, r"must be a list of \{role, content\} messages"),
+                      ({"conversations": "hello"}, r"field 'conversations' must be a list"),
+                      ({"prompt": "hi", "tools": [{"type": "function"}]}, r"the record's 'tools' holds tool calls"),
+                      ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
+                                                                        "tool_calls": [{"id": "c"}]}]},
+                       r"turn 1: 'tool_calls' holds tool calls")]:
         path.write_text(json.dumps(bad) + "\n")
         with pytest.raises(PromptError, match=rf"{re.escape(str(path))}:1: .*{said}"):
             read_jsonl_records(path)
@@ -576,3 +581,24 @@ def test_summary_pairs_timing_and_quality_reports_by_weights(tmp_path):
         check_same_checkpoint("h", q, "q", {"checkpoint": "ck/best", "checkpoint_sha256": "b" * 64}, "t")
     with pytest.raises(ValueError, match="evaluated other/best, not ck/best like q"):  # reports without the digest
         check_same_checkpoint("h", {"checkpoint": "ck/best"}, "q", {"checkpoint": "other/best"}, "t")
+
+
+def test_prompt_records_pick_their_chat_list_as_data_prep_does(tmp_path):
+    """A ``conversations`` list kept as a JSON string was evaluated as one literal user prompt (the whole
+    conversation, replies included); no_robots' ``prompt`` beside ``messages`` lost the system turn and turn 2;
+    an empty id was used as the id where data prep takes the next."""
+    path = tmp_path / "p.jsonl"
+    rows = [{"id": "js", "conversations": json.dumps([{"from": "human", "value": "q0"}, {"from": "gpt", "value": "a0"},
+                                                      {"from": "human", "value": "q1"}])},
+            {"prompt": "Write a haiku.", "prompt_id": "nr", "id": "", "messages": [
+                {"role": "system", "content": "Terse poet."}, {"role": "user", "content": "Write a haiku."},
+                {"role": "assistant", "content": "x"}, {"role": "user", "content": "Another."}]},
+            {"id": "np", "messages": None, "prompt": "Just this."}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    got = {r["id"]: r for r in read_jsonl_records(path)}
+    assert list(got) == ["js", "nr", "np"]
+    assert got["js"]["messages"] == [{"role": "user", "content": "q0"}] and got["js"]["follow_ups"] == ("q1",)
+    assert got["nr"]["messages"] == [{"role": "system", "content": "Terse poet."},
+                                     {"role": "user", "content": "Write a haiku."}]
+    assert got["nr"]["follow_ups"] == ("Another.",)
+    assert got["np"]["messages"] == [{"role": "user", "content": "Just this."}]

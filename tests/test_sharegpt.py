@@ -80,7 +80,7 @@ def test_complete_file_has_no_unparsed_bytes(tmp_path):
 def test_each_bad_record_kind_is_skipped_and_counted(tmp_path):
     H, G = "human", "gpt"
     bad = {
-        "missing_conversations": [{"id": "a"}, {"id": "a2", "conversations": "not a list"}, ["not", "a", "dict"]],
+        "missing_conversations": [{"id": "a"}, {"id": "a2", "conversations": "not a list"}, "not a dict"],
         "non_string_value": [{"id": "b", "conversations": [{"from": H, "value": 3}, {"from": G, "value": "x"}]}],
         "empty_turn": [{"id": "c", "conversations": [{"from": H, "value": "  \n"}, {"from": G, "value": "x"}]}],
         "unknown_role": [{"id": "d", "conversations": [{"from": "robot", "value": "q"}, {"from": G, "value": "x"}]}],
@@ -93,6 +93,8 @@ def test_each_bad_record_kind_is_skipped_and_counted(tmp_path):
                                                            {"from": G, "value": "x"}]}],
         "bad_train_flag": [{"id": "i", "conversations": [{"from": H, "value": "q"}, {"from": G, "value": "x", "weight": 0.5}]},
                            {"id": "i2", "conversations": [{"from": H, "value": "q"}, {"from": G, "value": "x", "train": "no"}]}],
+        "unsupported_field": [{"id": "j", "conversations": [{"from": H, "value": "q"},
+                                                            {"from": G, "value": "x", "tool_calls": [{"id": "c"}]}]}],
     }
     assert set(bad) == set(BAD_REASONS)
     good = [
@@ -258,3 +260,70 @@ def test_assistant_turns_marked_not_to_train_stay_as_context_without_loss():
     assert stats.examples["no_assistant_turn"] == {"id": "none", "message": "every assistant turn is marked not to train"}
     assert stats.fixed["turns_not_trained"] == 2 and stats.fixed["train_flags_ignored"] == 1  # records, as every rule
     assert stats.fixed["trailing_turns_dropped"] == 1
+
+
+def test_arrays_written_back_to_back_give_every_record(tmp_path):
+    """``[...][...]`` (datasets#7037's ``to_json(lines=False)``, ``cat a.json b.json``): the second array was
+    decoded as one "record" and its records lost, counted as a single ``missing_conversations``."""
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps([_rec(0), _rec(1)]) + json.dumps([_rec(2), _rec(3), _rec(4)]) + "\n[" + json.dumps(_rec(5)))
+    stats = ReadStats()
+    assert [c.id for c in iter_conversations(path, stats)] == ["r0", "r1", "r2", "r3", "r4", "r5"]
+    assert stats.records == 6 and not stats.dropped and stats.unparsed_bytes == 0
+
+
+def test_a_cut_record_with_message_ids_is_unparsed_bytes_not_a_phantom_record(tmp_path):
+    """OpenAI / OASST exports give every message an ``id``: resynchronising on "a dict with an id" read the first
+    message of a cut record as a record (``missing_conversations``, id ``c1-m0``)."""
+    def rec(i):
+        return {"id": f"c{i}", "messages": [{"id": f"c{i}-m0", "role": "user", "content": "q"},
+                                            {"id": f"c{i}-m1", "role": "assistant", "content": "a long answer"}]}
+    cut = json.dumps(rec(1))[:-30]
+    path = tmp_path / "cut.jsonl"
+    path.write_text(json.dumps(rec(0)) + "\n" + cut + "\n" + json.dumps(rec(2)) + "\n")
+    stats = ReadStats()
+    assert [c.id for c in iter_conversations(path, stats)] == ["c0", "c2"]
+    assert stats.records == 2 and not stats.dropped and stats.unparsed_bytes == len(cut.rstrip(",").encode())
+
+
+def test_system_field_and_id_are_cleaned_or_refused_like_turn_text():
+    """A lone surrogate in the ``system`` field or the id crashed templating and the split's hashing with a
+    traceback naming no record; a non-string ``system`` was dropped silently (the record trained without it)."""
+    turns = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    conv = normalize({"id": "r\ud83d", "system": "You are \ud83d helpful", "conversations": turns}, 0)
+    assert conv.id == "r\ufffd" and conv.messages[0] == {"role": "system", "content": "You are \ufffd helpful"}
+    assert "lone_surrogates_replaced" in dict(conv.fixes)
+    assert "lone_surrogates_replaced" in dict(normalize({"id": "x\udc00", "conversations": turns}, 0).fixes)
+    drop = normalize({"id": "s", "system": ["You are a pirate."], "conversations": turns}, 0)
+    assert drop == "non_string_value" and drop.message == "the record's 'system' field is a list, not a string"
+    nan = float("nan")  # pandas' null in every column of a frame that has it anywhere
+    conv = normalize({"id": nan, "conversation_id": "cid", "system": nan,
+                      "conversations": [turns[0], {**turns[1], "weight": nan}]}, 3)
+    assert conv.id == "cid" and conv.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert normalize({"id": "", "conversations": turns}, 7).id == "record-7"
+
+
+@pytest.mark.parametrize("where,record", [
+    ("turn 1: 'tool_calls'", {"messages": [{"role": "user", "content": "Weather in Paris?"}, {
+        "role": "assistant", "content": "Let me check.", "tool_calls": [{"type": "function", "function": {"name": "w"}}]}]}),
+    ("turn 1: 'reasoning_content'", {"messages": [{"role": "user", "content": "2+2?"},
+                                                  {"role": "assistant", "content": "4", "reasoning_content": "Add."}]}),
+    ("the record's 'tools'", {"tools": [{"type": "function"}], "conversations": [
+        {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}),
+])
+def test_tool_calls_and_reasoning_refuse_the_record(where, record):
+    """speculators#561's kind: a reply's tool call (or its reasoning, or the prompt's tool schema) was dropped
+    silently, so the drafter trained on "Let me check." as the whole reply."""
+    drop = normalize({"id": "t", **record}, 0)
+    assert drop == "unsupported_field" and drop.message.startswith(f"{where} holds tool calls")
+    empty = {"id": "e", "tools": None, "messages": [{"role": "user", "content": "q"}, {
+        "role": "assistant", "content": "a", "tool_calls": [], "reasoning_content": None, "function_call": float("nan")}]}
+    assert normalize(empty, 0).messages[-1] == {"role": "assistant", "content": "a"}  # a shared column's empty cells
+
+
+def test_turns_keyed_both_ways_count_only_the_other_layout():
+    turns = [{"role": "user", "content": "q"}, {"from": "gpt", "value": "a"}, {"role": "user", "content": "q2"},
+             {"from": "gpt", "value": "a2"}]
+    conv = normalize({"id": "m", "conversations": turns}, 0)
+    assert [r for r, _ in conv.fixes if r.startswith("turn_keys")] == ["turn_keys_role_content"]
+    assert [m["content"] for m in conv.messages] == ["q", "a", "q2", "a2"]
