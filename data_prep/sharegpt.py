@@ -23,7 +23,8 @@ Normalisation rules (issues 15, 28): every change to a kept record is counted un
 * an OpenAI content list of text parts is joined into one string (``text_parts_joined``);
 * turns keyed ``role``/``content`` under ``conversations`` (SpecForge's layout), or ``from``/``value`` under
   ``messages``, are read (``turn_keys_role_content``, ``turn_keys_from_value``); a turn list stored as a JSON
-  string (a CSV column) is parsed (``json_string_parsed``);
+  string (a CSV column) is parsed (``json_string_parsed``), and one stored as one list per key (a ``datasets``
+  ``Sequence`` of turn dicts) is read by row (``columnar_turns_read``);
 * a record's top-level ``system`` string (LLaMA-Factory's sharegpt layout) becomes its system turn
   (``system_field_used``), unless it has one already (``system_field_ignored`` when they differ);
 * leading assistant turns (after an optional system turn) are dropped and the rest kept
@@ -487,8 +488,13 @@ def unsupported_field(record: dict, turns: list) -> str | None:
 
 
 def turn_list(value: Any) -> tuple[Any, bool]:
-    """A record's turn list: ``(value, False)``, or ``(the parsed list, True)`` when it is a JSON string (a CSV
-    cell, any string column) that parses to a list."""
+    """A record's turn list: ``(value, False)``, or ``(the list, True)`` when it is a JSON string (a CSV cell, any
+    string column) that parses to a list, or a dict of equal-length lists (a ``datasets`` column declared
+    ``Sequence({"from": ..., "value": ...})``, which ``datasets`` returns as one list per key)."""
+    if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()) \
+            and len({len(v) for v in value.values()}) == 1:
+        keys = list(value)
+        return [dict(zip(keys, row)) for row in zip(*value.values())], True
     if isinstance(value, str) and value.lstrip().startswith("["):
         try:
             parsed = json.loads(value)
@@ -526,8 +532,10 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
     list_key, role_key, text_key = keys[fmt]
     fixes: dict[str, str] = {}  # rule -> message (one count per record and rule)
     turns, parsed = turn_list(record.get(list_key) if isinstance(record, dict) else None)
-    if parsed:
+    if parsed and isinstance(record.get(list_key), str):
         fixes["json_string_parsed"] = f"the {list_key!r} column is a JSON string: parsed"
+    elif parsed:
+        fixes["columnar_turns_read"] = f"the {list_key!r} column is one list per key (datasets' Sequence): read by row"
     if not isinstance(turns, list):
         return Drop("missing_conversations", f"no {list_key!r} list in the record")
     if where := unsupported_field(record, turns):

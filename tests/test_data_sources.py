@@ -249,3 +249,19 @@ def test_a_csv_is_read_as_written(tmp_path):
     assert list(convs) == ["007", "7", "record-2", "12"] and not data.stats.dropped
     assert convs["7"].messages[0] == {"role": "system", "content": "NA"}
     assert convs["007"].messages[0] == {"role": "user", "content": "q"}
+
+
+def test_a_sequence_of_turn_dicts_column_is_read_by_row(tmp_path):
+    """``datasets`` returns a column declared ``Sequence({"from", "value"})`` as one list per key; it was refused
+    as "no 'conversations' list", which did not say why."""
+    import datasets
+
+    features = datasets.Features({"id": datasets.Value("string"), "conversations": datasets.Sequence(
+        {"from": datasets.Value("string"), "value": datasets.Value("string")})})
+    rows = {"id": ["q0"], "conversations": [{"from": ["human", "gpt"], "value": ["Hi", "Hello."]}]}
+    path = tmp_path / "seq.parquet"
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(str(path))
+    data = read_split(_data_cfg(f"data.path={path}"))
+    assert [c.messages for c in data.train + data.val] == [[{"role": "user", "content": "Hi"},
+                                                            {"role": "assistant", "content": "Hello."}]]
+    assert data.stats.fixed["columnar_turns_read"] == 1 and not data.stats.dropped
