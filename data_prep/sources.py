@@ -27,6 +27,7 @@ results are all keyed by id.
 """
 from __future__ import annotations
 
+import codecs
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,19 +158,22 @@ def _load_error(spec: SourceSpec, p: Path, exc: BaseException, after: int | None
                           f"it{where} ({text[:300]})")
 
 
-def _csv_as_written(path: Path) -> dict:
+def _csv_as_written(path: Path, encoding: str = "utf-8") -> dict:
     """``load_dataset("csv")`` options that keep every cell as the text written: pandas would read the ids
     ``007`` and ``7`` both as 7 (``7.0`` beside an empty cell) and ``NA`` as null.  Every column of the header
-    is a string (the turn lists are JSON text either way); an empty cell is ``""``."""
+    is a string (the turn lists are JSON text either way); an empty cell is ``""``; the file is decoded with
+    ``data.encoding`` (``datasets`` would assume UTF-8)."""
     import csv
 
     import datasets
 
-    with open(path, newline="", encoding="utf-8-sig", errors="replace") as fh:
+    sig = "utf-8-sig" if codecs.lookup(encoding).name == "utf-8" else encoding  # a byte-order mark, as elsewhere
+    with open(path, newline="", encoding=sig, errors="replace") as fh:
         header = next(csv.reader(fh), [])
+    opts = {"encoding": sig}
     if not header or len(set(header)) != len(header):  # let datasets report it
-        return {}
-    return {"features": datasets.Features({name: datasets.Value("string") for name in header}),
+        return opts
+    return {**opts, "features": datasets.Features({name: datasets.Value("string") for name in header}),
             "keep_default_na": False}
 
 
@@ -192,7 +196,7 @@ def _datasets_rows(spec: SourceSpec) -> Iterator[dict]:
                 raise UserInputError(f"data.path={spec.path!r}: unsupported file type {p.suffix!r} "
                                      f"(supported: {', '.join(sorted(_BUILDERS))}, or a saved dataset directory)")
             ds = datasets.load_dataset(builder, data_files=str(p), split="train", streaming=spec.streaming,
-                                       **(_csv_as_written(p) if builder == "csv" else {}))
+                                       **(_csv_as_written(p, spec.encoding) if builder == "csv" else {}))
         else:
             if not p.exists() and names_a_local_path(spec.path, _DATA_SUFFIXES):
                 raise UserInputError(f"data.path={spec.path!r}: no such file or directory")
@@ -226,8 +230,6 @@ def iter_source(spec: SourceSpec) -> Iterator[Conversation]:
                                                          and Path(spec.path).suffix.lower() in (".json", ".jsonl"))))
     if use_tolerant:
         try:
-            import codecs
-
             codecs.lookup(spec.encoding)
         except LookupError:
             raise UserInputError(f"data.encoding={spec.encoding!r} is not a known text encoding") from None

@@ -265,3 +265,19 @@ def test_a_sequence_of_turn_dicts_column_is_read_by_row(tmp_path):
     assert [c.messages for c in data.train + data.val] == [[{"role": "user", "content": "Hi"},
                                                             {"role": "assistant", "content": "Hello."}]]
     assert data.stats.fixed["columnar_turns_read"] == 1 and not data.stats.dropped
+
+
+def test_a_csv_in_another_encoding_is_read_with_data_encoding(tmp_path):
+    """``datasets`` decoded every CSV as UTF-8: ``data.encoding`` reached only the JSON reader."""
+    import csv
+    import io
+
+    turns = json.dumps([{"from": "human", "value": "Caf\u00e9 ?"}, {"from": "gpt", "value": "Oui, caf\u00e9."}],
+                       ensure_ascii=False)
+    buf = io.StringIO()
+    csv.writer(buf).writerows([["id", "conversations"], ["c1", turns]])
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(buf.getvalue().encode("latin-1"))
+    data = read_split(_data_cfg(f"data.path={path}", "data.encoding=latin-1"))
+    assert [c.messages for c in data.train + data.val] == [[{"role": "user", "content": "Caf\u00e9 ?"},
+                                                            {"role": "assistant", "content": "Oui, caf\u00e9."}]]
