@@ -522,17 +522,18 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         is one of :data:`BAD_REASONS` and whose ``message`` says what was wrong.
     """
     keys = {"sharegpt": ("conversations", "from", "value"), "messages": ("messages", "role", "content")}
+    raw = {k: record.get(k) for k in ("conversations", "messages")} if isinstance(record, dict) else {}
+    read = {k: turn_list(v) for k, v in raw.items()}  # each candidate turn list, parsed once
     if fmt == "auto":
-        def listed(key):  # a list, or a JSON list kept as a string (a CSV column)
-            v = record.get(key)
-            return isinstance(v, list) or isinstance(v, str) and v.lstrip().startswith("[")
+        def listed(key):  # a list (parsed or read by row), or what looks like a JSON list kept as a string
+            v = raw.get(key)
+            return isinstance(read.get(key, (None,))[0], list) or isinstance(v, str) and v.lstrip().startswith("[")
 
-        fmt = "messages" if isinstance(record, dict) and listed("messages") and not listed("conversations") \
-            else "sharegpt"
+        fmt = "messages" if listed("messages") and not listed("conversations") else "sharegpt"
     list_key, role_key, text_key = keys[fmt]
     fixes: dict[str, str] = {}  # rule -> message (one count per record and rule)
-    turns, parsed = turn_list(record.get(list_key) if isinstance(record, dict) else None)
-    if parsed and isinstance(record.get(list_key), str):
+    turns, parsed = read.get(list_key, (None, False))
+    if parsed and isinstance(raw[list_key], str):
         fixes["json_string_parsed"] = f"the {list_key!r} column is a JSON string: parsed"
     elif parsed:
         fixes["columnar_turns_read"] = f"the {list_key!r} column is one list per key (datasets' Sequence): read by row"
@@ -605,10 +606,10 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
     if last_assistant + 1 < len(merged):
         fixes["trailing_turns_dropped"] = (f"{len(merged) - last_assistant - 1} turn(s) after the last trained "
                                            "assistant turn dropped")
-    if fixed is not None:
-        fixed.update(fixes.keys())
     if _LONE_SURROGATE.search(_written_id(record) or ""):
         fixes.setdefault("lone_surrogates_replaced", "the record id: lone UTF-16 surrogate(s) read as U+FFFD")
+    if fixed is not None:
+        fixed.update(fixes.keys())
     return Conversation(id=record_id(record, index, id_prefix), messages=messages[:first] + merged[: last_assistant + 1],
                         fixes=sorted(fixes.items()))
 

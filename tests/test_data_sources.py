@@ -251,15 +251,17 @@ def test_a_csv_is_read_as_written(tmp_path):
     assert convs["007"].messages[0] == {"role": "user", "content": "q"}
 
 
-def test_a_sequence_of_turn_dicts_column_is_read_by_row(tmp_path):
+@pytest.mark.parametrize("column,role,text", [("conversations", "from", "value"), ("messages", "role", "content")])
+def test_a_sequence_of_turn_dicts_column_is_read_by_row(tmp_path, column, role, text):
     """``datasets`` returns a column declared ``Sequence({"from", "value"})`` as one list per key; it was refused
-    as "no 'conversations' list", which did not say why."""
+    as "no 'conversations' list", which did not say why.  ``data.format=auto`` finds a ``messages`` one too."""
     import datasets
 
-    features = datasets.Features({"id": datasets.Value("string"), "conversations": datasets.Sequence(
-        {"from": datasets.Value("string"), "value": datasets.Value("string")})})
-    rows = {"id": ["q0"], "conversations": [{"from": ["human", "gpt"], "value": ["Hi", "Hello."]}]}
-    path = tmp_path / "seq.parquet"
+    features = datasets.Features({"id": datasets.Value("string"), column: datasets.Sequence(
+        {role: datasets.Value("string"), text: datasets.Value("string")})})
+    rows = {"id": ["q0"], column: [{role: ["user" if role == "role" else "human", "assistant" if role == "role" else "gpt"],
+                                    text: ["Hi", "Hello."]}]}
+    path = tmp_path / f"seq-{column}.parquet"
     datasets.Dataset.from_dict(rows, features=features).to_parquet(str(path))
     data = read_split(_data_cfg(f"data.path={path}"))
     assert [c.messages for c in data.train + data.val] == [[{"role": "user", "content": "Hi"},

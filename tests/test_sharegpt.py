@@ -293,7 +293,9 @@ def test_system_field_and_id_are_cleaned_or_refused_like_turn_text():
     conv = normalize({"id": "r\ud83d", "system": "You are \ud83d helpful", "conversations": turns}, 0)
     assert conv.id == "r\ufffd" and conv.messages[0] == {"role": "system", "content": "You are \ufffd helpful"}
     assert "lone_surrogates_replaced" in dict(conv.fixes)
-    assert "lone_surrogates_replaced" in dict(normalize({"id": "x\udc00", "conversations": turns}, 0).fixes)
+    fixed = Counter()
+    assert "lone_surrogates_replaced" in dict(normalize({"id": "x\udc00", "conversations": turns}, 0, fixed=fixed).fixes)
+    assert fixed["lone_surrogates_replaced"] == 1  # the summary counts what the record lists
     drop = normalize({"id": "s", "system": ["You are a pirate."], "conversations": turns}, 0)
     assert drop == "non_string_value" and drop.message == "the record's 'system' field is a list, not a string"
     nan = float("nan")  # pandas' null in every column of a frame that has it anywhere
