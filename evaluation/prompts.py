@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import torch
 
 from core.chat_template import apply_chat_template
-from data_prep.sharegpt import (body_turns, message_role, replace_lone_surrogates, turn_keys, turn_list, turn_text,
-                                unsupported_field)
+from data_prep.sharegpt import (body_turns, is_null, message_role, replace_lone_surrogates, turn_keys, turn_list,
+                                turn_text, unsupported_field)
 from data_prep.template import special_token_texts
 
 #: prompt fields, in the order they are looked for: a chat list before a single prompt string, as data prep reads a
@@ -81,8 +81,9 @@ def _chat_messages(value: list, key: str, where: str) -> list[dict[str, str]]:
 
 
 def _prompt_field(rec: dict, field: str | None) -> str | None:
-    """``field``, else the first of :data:`AUTO_FIELDS` the record holds non-null, else None."""
-    return field or next((k for k in AUTO_FIELDS if rec.get(k) is not None), None)
+    """``field``, else the first of :data:`AUTO_FIELDS` the record holds non-null (None or NaN: :func:`is_null`),
+    else None."""
+    return field or next((k for k in AUTO_FIELDS if not is_null(rec.get(k))), None)
 
 
 def _field_value(rec: dict, key: str) -> Any:
@@ -132,7 +133,7 @@ def _messages_from_record(rec: Any, field: str | None, where: str) -> list[dict[
         value = value[0]
     if not isinstance(value, str) or not value.strip():
         raise PromptError(f"{where}: field {key!r} must be a non-empty string")
-    extra = rec.get("input") if key == "instruction" else None
+    extra = rec.get("input") if key == "instruction" and not is_null(rec.get("input")) else None
     if extra is not None and not isinstance(extra, str):
         raise PromptError(f"{where}: field 'input' must be a string (Alpaca's input, appended to the instruction)")
     if extra and extra.strip():  # Alpaca / LLaMA-Factory: the user turn is "instruction\ninput"
@@ -144,7 +145,7 @@ def _with_system(rec: dict, msgs: list[dict[str, str]], where: str) -> list[dict
     """``msgs`` with the record's top-level ``system`` string (LLaMA-Factory's layouts) as their system turn,
     as data prep reads it (``system_field_used``), unless they have one already."""
     system = rec.get("system")
-    if system is None or (isinstance(system, str) and not system.strip()):
+    if is_null(system) or (isinstance(system, str) and not system.strip()):
         return msgs
     if not isinstance(system, str):
         raise PromptError(f"{where}: field 'system' must be a string (the system prompt)")
@@ -190,7 +191,8 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
     non-blank line).
 
     The id is the first of ``question_id`` / ``id`` / ``prompt_id`` / ``conversation_id``, else
-    ``line<N>`` (null and ``""`` skipped).  The prompt is ``field`` (or the first of :data:`AUTO_FIELDS` present
+    ``line<N>`` (null, NaN and ``""`` skipped; a NaN ``system``, ``category`` or ``input`` reads as absent,
+    as data prep reads pandas' nulls).  The prompt is ``field`` (or the first of :data:`AUTO_FIELDS` present
     and non-null): a string, a list of strings (the first is taken: MT-bench ``turns``), or a list of chat
     messages, or that list as a JSON string (up to the first user message).  ``category`` is the record's ``category`` (a string, else None);
     ``follow_ups`` the later strings of a list-of-strings prompt field (MT-bench turns 2..n).
@@ -232,14 +234,14 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
         if half:
             raise PromptError(f"{where}: {half} holds a lone UTF-16 surrogate (an escaped \\ud800-\\udfff without "
                               "its other half: a character cut in two), which no tokenizer can encode; fix the text")
-        pid = next((str(rec[k]) for k in ID_FIELDS if isinstance(rec, dict) and rec.get(k) not in (None, "")),
+        pid = next((str(rec[k]) for k in ID_FIELDS if isinstance(rec, dict) and not is_null(rec.get(k)) and rec[k] != ""),
                    f"line{lineno}")
         if pid in lines:
             raise PromptError(f"{where}: id {pid!r} is also the id of line {lines[pid]}; prompt ids must be unique "
                               "(each prompt's results and resume are kept by id)")
         lines[pid] = lineno
         msgs = _with_system(rec, _messages_from_record(rec, field, where), where)
-        cat = rec.get("category")
+        cat = None if is_null(rec.get("category")) else rec.get("category")
         if cat is not None and not isinstance(cat, str):
             raise PromptError(f"{where}: field 'category' must be a string, got {type(cat).__name__}")
         out.append({"id": pid, "messages": msgs, "category": cat, "follow_ups": _follow_ups(rec, field, where)})

@@ -96,6 +96,28 @@ def test_prompt_ids_and_fields_read_as_data_prep_reads_them(tmp_path):
         read_jsonl_records(f)
 
 
+def test_nan_fields_read_as_null_as_data_prep_reads_them(tmp_path):
+    """A NaN (pandas' null, written by ``json.dumps`` of a DataFrame row) in an id, ``system``, ``category``,
+    ``input`` or prompt field reads as absent, as data prep's :func:`data_prep.sharegpt.is_null` reads it: before,
+    a NaN system was refused, a NaN id became the prompt id ``'nan'`` (so two such lines clashed) and a NaN
+    ``prompt`` beside ``turns`` was not skipped."""
+    nan = float("nan")
+    rows = [{"question_id": nan, "id": "x1", "system": nan, "category": nan, "turns": ["a"]},
+            {"id": nan, "turns": ["b"]}, {"id": nan, "turns": ["c"]},
+            {"id": "alp", "instruction": "Translate to French.", "input": nan},
+            {"id": "t", "turns": nan, "prompt": "d"}]
+    f = tmp_path / "nan.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))  # json.dumps writes the NaN literal, json.loads reads it
+    got = {r["id"]: r for r in read_jsonl_records(f)}
+    assert list(got) == ["x1", "line2", "line3", "alp", "t"]
+    assert got["x1"]["messages"] == [{"role": "user", "content": "a"}] and got["x1"]["category"] is None
+    assert got["alp"]["messages"] == [{"role": "user", "content": "Translate to French."}]
+    assert got["t"]["messages"] == [{"role": "user", "content": "d"}] and got["t"]["follow_ups"] == ()
+    f.write_text(json.dumps({"id": "s", "system": 3, "turns": ["a"]}))  # a non-null non-string is still refused
+    with pytest.raises(PromptError, match=r"nan.jsonl:1: field 'system' must be a string"):
+        read_jsonl_records(f)
+
+
 def test_cli_oracle_report(tiny_model_dir, tmp_path, prompts_file, capsys):
     assert rewrite_argv(["checkpoint=x", "heads=ctc"]) == ["eval.checkpoint=x", "heads=ctc"]
     rc = main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", f"eval.prompts={prompts_file}",
