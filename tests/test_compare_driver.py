@@ -251,6 +251,10 @@ def test_record_config_dry_run(tmp_path, capsys):
                                                           "train-ctc", "train-ctc_ce", "train-falcon", "train-adadecode", "train-falcon_k1_regen"]
     cmds = {ln.split()[2]: lines[i + 1] for i, ln in enumerate(lines[:-1]) if ln.startswith("[run ]")}
     assert "labels=regenerate" in cmds["prep-regenerated"] and "prep.dtype=float8_e4m3fn" in cmds["prep-regenerated"]
+    # sized to fit 24 hours of 2 cores (docs/training.md "What the one command costs"), both caches alike
+    for stage in ("prep-teacher_forced", "prep-regenerated", "train-falcon_k1", "train-falcon_k1_regen"):
+        assert "data.max_conversations=9200 data.max_length=512" in cmds[stage]
+    assert "prep.gen_batch_size=16" in cmds["prep-regenerated"] and "gen_batch_size" not in cmds["prep-teacher_forced"]
     assert "train.val_schedule=log" in cmds["train-eagle3"] and "train.max_epochs=1" in cmds["train-eagle3"]
     assert "caches/regenerated" in cmds["train-falcon_k1_regen"] and "caches/teacher_forced" in cmds["train-ctc"]
     assert "heads.loss=ce" in cmds["train-ctc_ce"] and "heads=ctc " in cmds["train-ctc_ce"]
