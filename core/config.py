@@ -165,23 +165,46 @@ def check_override_type(key: str, default, value) -> None:
     integer, a float key any number, a list key a list, a mapping key a mapping.  ``null`` is always
     accepted here (the section's registered checks decide whether the key may be null); keys whose
     default is a string or null accept any value (they are unions such as ``train.devices`` or
-    ``resume``, checked by their section's validator).  Used by :func:`compose` for every
+    ``resume``, checked by their section's validator).  A non-finite number (``.nan``, ``.inf``,
+    ``-.inf``, alone or inside a list or mapping) is refused for every key: NaN passes every range
+    check (``nan < 0`` is false) and trains NaN weights, an inf overflows where it is used.  Used by :func:`compose` for every
     ``key=value`` and by ``evaluation.methods.variant_configs`` for every ``eval.variants`` entry.
 
     Raises:
-        ConfigError: ``key=value`` has the wrong type; the message names the key, the value and the
-            expected type.
+        ConfigError: ``key=value`` has the wrong type, or holds a non-finite number; the message names
+            the key, the value and the expected type.
     """
+    bad = _non_finite(value)
+    if bad is not None:  # YAML reads .nan / .inf as floats: a NaN passes every `<` range check, an inf overflows later
+        raise ConfigError(f"{key}={_plain_text(value)} must be finite (it holds {bad}; every number in a config must be)"
+                          + (f" (default: {_plain_text(default)})" if default is not None else ""))
     want = _kind(default)
     if want is None or value is None:
         return
     got = _kind(value)
     if got == want or (want == "number" and got == "int"):
         return
+    raise ConfigError(f"{key}={_plain_text(value)} must be {_KIND_TEXT[want]} (default: {_plain_text(default)})")
+
+
+def _plain_text(value) -> str:
+    """``value`` (a config node or plain value) as JSON text for a message (NaN / inf as Python writes them)."""
     import json
 
-    plain = lambda v: OmegaConf.to_container(v) if isinstance(v, (DictConfig, ListConfig)) else v  # noqa: E731
-    raise ConfigError(f"{key}={json.dumps(plain(value))} must be {_KIND_TEXT[want]} (default: {json.dumps(plain(default))})")
+    return json.dumps(OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value)
+
+
+def _non_finite(value) -> str | None:
+    """``'nan'``, ``'inf'`` or ``'-inf'`` for the first non-finite float in ``value`` (a number, or one
+    inside a list or mapping), else None."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((bad for v in items if (bad := _non_finite(v)) is not None), None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,10 +228,14 @@ def check_choice(cfg: DictConfig, key: str, allowed: Iterable) -> None:
 
 
 def check_range(cfg: DictConfig, key: str, lo: float | None = None, hi: float | None = None) -> None:
-    """Raise :class:`ConfigError` unless ``lo <= cfg.<key> <= hi`` (bounds optional)."""
+    """Raise :class:`ConfigError` unless ``cfg.<key>`` is a finite number with ``lo <= value <= hi`` (bounds optional)."""
+    import math
+
     value = OmegaConf.select(cfg, key, default=None)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ConfigError(f"{key}={value!r} must be a number")
+    if not math.isfinite(value):  # NaN fails no comparison below, and an inf overflows where it is used
+        raise ConfigError(f"{key}={value!r} must be a finite number")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         want = (f"lie in [{lo}, {hi}]" if lo is not None and hi is not None
                 else f"be >= {lo}" if lo is not None else f"be <= {hi}")

@@ -55,3 +55,49 @@ def test_eval_prompts_read_sharegpt_turns_and_name_a_json_array(tmp_path):
     a.write_text(json.dumps([{"question_id": 1, "turns": ["Say 1"]}], indent=2))
     with pytest.raises(PromptError, match=rf"^{a}: a JSON array; eval.prompts reads JSON Lines, one JSON object a line"):
         read_jsonl_records(a)
+
+
+@pytest.mark.parametrize("args,shown", [
+    (["train.optimizer.eps=.nan"], "train.optimizer.eps=NaN"),
+    (["train.optimizer.weight_decay=.nan"], "train.optimizer.weight_decay=NaN"),
+    (["train.scheduler.min_lr_ratio=.nan"], "train.scheduler.min_lr_ratio=NaN"),
+    (["train.grad_clip.value=.inf"], "train.grad_clip.value=Infinity"),
+    (["train.optimizer.lr=.inf"], "train.optimizer.lr=Infinity"),
+    (["train.val_factor=.inf"], "train.val_factor=Infinity"),
+    (["train.max_time=.inf"], "train.max_time=Infinity"),
+    (["strategy.timeout_minutes=.nan"], "strategy.timeout_minutes=NaN"),
+    (["eval.temperature=.nan"], "eval.temperature=NaN"),
+    (["heads.aux_weight=-.inf"], "heads.aux_weight=-Infinity"),
+    (["heads=adadecode", "heads.gamma_slope=.nan"], "heads.gamma_slope=NaN"),
+    (["heads=adadecode", "heads.layer_weights=[1.0,.nan,1.0]"], "heads.layer_weights=[1.0, NaN, 1.0]"),
+    (["data.heldout_fraction=.nan"], "data.heldout_fraction=NaN")])
+def test_a_non_finite_number_is_refused(args, shown):
+    """YAML reads ``.nan`` / ``.inf`` as floats, and NaN passes every range check (``nan < 0`` is false): eps,
+    weight decay, min_lr_ratio or a clip value of NaN trained NaN weights (then blamed on the data by the
+    non-finite stop), eval.temperature=NaN decoded greedily while the report recorded no parity check,
+    train.val_factor=.inf died with an OverflowError at the first validation, train.max_time=.inf and a NaN
+    strategy.timeout_minutes when the Trainer was built."""
+    import re
+
+    with pytest.raises(ConfigError, match="^" + re.escape(shown) + " must be finite"):
+        compose(args)
+
+
+def test_check_range_refuses_a_non_finite_value_from_a_config_file():
+    """A NaN written into a YAML file (no override to type-check) is refused by the section's range check."""
+    from omegaconf import OmegaConf
+
+    from core.config import check_range
+
+    cfg = OmegaConf.create({"train": {"optimizer": {"eps": float("nan")}}})
+    with pytest.raises(ConfigError, match=r"^train.optimizer.eps=nan must be a finite number$"):
+        check_range(cfg, "train.optimizer.eps", 0.0)
+
+
+def test_train_max_time_beyond_a_timedelta_is_refused():
+    """``train.max_time=1e15`` passed the check and overflowed ``timedelta`` when the Trainer was built."""
+    with pytest.raises(ConfigError, match=r"^train.max_time=1000000000000000.0 must be a number of seconds > 0 "
+                                          r"\(at most 86400000000000, Python's longest timedelta\)"):
+        compose(["train.max_time=1e15"])
+    assert compose(["train.max_time=86400"]).train.max_time == 86400
+

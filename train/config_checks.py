@@ -9,6 +9,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from core.config import ConfigError, check_choice, check_range, register_validator
 
 LOGGERS = ("wandb", "csv", "none")
+#: the largest ``train.max_time`` (seconds) Lightning's ``timedelta`` budget can hold
+MAX_TIME = __import__("datetime").timedelta.max.total_seconds()
 SCHEDULES = ("linear", "cosine", "constant")
 CLIP_ALGORITHMS = ("value", "norm")
 PRECISIONS = ("auto", "32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
@@ -39,8 +41,9 @@ def check_train(cfg: DictConfig) -> None:
     if cfg.train.max_steps == -1 and cfg.train.max_epochs == -1:
         raise ConfigError("train.max_steps and train.max_epochs are both -1: set at least one budget")
     mt = cfg.train.get("max_time")
-    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, (int, float)) or not mt > 0):
-        raise ConfigError(f"train.max_time={mt!r} must be a number of seconds > 0 or null")
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, (int, float)) or not 0 < mt <= MAX_TIME):
+        raise ConfigError(f"train.max_time={mt!r} must be a number of seconds > 0 (at most {MAX_TIME:.0f}, Python's "
+                          "longest timedelta) or null for no time limit")
     _check_int(cfg, "train.batch_size", 1, nullable=True)
     _check_int(cfg, "train.max_tokens", 1, nullable=True)
     if cfg.train.batch_size is None and cfg.train.max_tokens is None:
@@ -61,7 +64,7 @@ def check_train(cfg: DictConfig) -> None:
     check_choice(cfg, "train.val_schedule", ("steps", "log"))
     _check_int(cfg, "train.val_first_tokens", 1)
     vf = cfg.train.val_factor
-    if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not vf > 1:
+    if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 1 < vf < float("inf"):
         raise ConfigError(f"train.val_factor={vf!r} must be a number > 1 (the growth of tokens seen between validations)")
     if not isinstance(cfg.train.shuffle, bool):
         raise ConfigError(f"train.shuffle={cfg.train.shuffle!r} must be true or false")
