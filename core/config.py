@@ -254,6 +254,8 @@ def check_output_path(cfg: DictConfig, key: str) -> None:
         raise ConfigError(f"{key}={value!r} cannot be written: {problem}")
 
 
+#: the largest ``seed`` (numpy's, which ``lightning.seed_everything`` seeds too)
+MAX_SEED = 2**32 - 1
 DTYPES = ("float32", "bfloat16", "float16")
 #: ``model.dtype`` values: a dtype, or ``auto`` (resolved per stage by :mod:`core.precision`)
 MODEL_DTYPES = ("auto", *DTYPES)
@@ -268,6 +270,10 @@ def _core_checks(cfg: DictConfig) -> None:
                               "or a .gguf file (model=smollm2 uses the packaged SmolLM2)")
     if "labels" in cfg:
         check_choice(cfg, "labels", ("teacher_forced", "regenerate"))
+    seed = cfg.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        # Lightning's seed_everything raised a ValueError / TypeError traceback at the start of training
+        raise ConfigError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}] (numpy's seed range)")
     check_output_path(cfg, "output_root")  # every stage writes under it (runs, caches, cost models)
 
 

@@ -101,3 +101,11 @@ def test_train_max_time_beyond_a_timedelta_is_refused():
         compose(["train.max_time=1e15"])
     assert compose(["train.max_time=86400"]).train.max_time == 86400
 
+
+@pytest.mark.parametrize("value", ["-1", "null", "4294967296"])
+def test_a_seed_outside_numpys_range_is_refused(value):
+    """``seed=-1`` / ``seed=null`` passed compose and python -m train died in Lightning's seed_everything with a
+    ValueError / TypeError traceback."""
+    with pytest.raises(ConfigError, match=r"^seed=.* must be an integer in \[0, 4294967295\]"):
+        compose([f"seed={value}"])
+    assert compose(["seed=4294967295"]).seed == 4294967295
