@@ -138,7 +138,8 @@ def check_checkpoint_dir(directory: str | os.PathLike, head_type: str | None = N
         FileNotFoundError: it does not exist; it is a training run's folder (names its ``best/`` and
             ``last/``); or a file is missing (named).
         ValueError: its ``config.json`` is not a head config, its ``model.safetensors`` header is unreadable,
-            or it records another head type (:func:`check_head_type`).
+            it records another head type (:func:`check_head_type`), or its tensors are not the ones
+            ``config.json``'s head has (:func:`check_weight_shapes`).
     """
     directory = Path(directory)
     if not directory.exists():
@@ -163,12 +164,53 @@ def check_checkpoint_dir(directory: str | os.PathLike, head_type: str | None = N
 
     try:  # the header only: a torn or foreign file is named here, not as a library traceback at load
         with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
-            f.keys()
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"checkpoint {directory}: model.safetensors is not a readable safetensors file "
                          f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     check_head_type(directory, str(held), head_type)
+    check_weight_shapes(directory, json.loads((directory / "config.json").read_text(encoding="utf-8")), shapes)
     return directory
+
+
+def check_weight_shapes(directory: str | os.PathLike, meta: dict[str, Any], shapes: dict[str, tuple]) -> None:
+    """Refuse a checkpoint whose ``model.safetensors`` is not the one its ``config.json`` describes.
+
+    The head ``config.json`` records (``head``, ``base_config``) is built on the meta device (no memory, no
+    base) and its tensor names and shapes are compared with ``shapes`` (the safetensors header): a
+    ``model.safetensors`` copied in from another run (another ``draft_vocab_size``, layer count, fuse) was a
+    ``size mismatch`` traceback at load, and :mod:`heads.export` wrote an engine config whose
+    ``draft_vocab_size`` disagreed with its ``lm_head``.  A ``config.json`` without ``head`` /
+    ``base_config`` is left to the reader, which names the missing key.
+
+    Raises:
+        ValueError: names the checkpoint and each differing tensor with both shapes (or the tensors on one
+            side only), or the head ``config.json`` describes cannot be built.
+    """
+    if not isinstance(meta.get("head"), dict) or not isinstance(meta.get("base_config"), dict):
+        return
+    import torch
+    from transformers import AutoConfig
+
+    try:
+        bc = meta["base_config"]
+        base_config = AutoConfig.for_model(**{k: v for k, v in bc.items() if k != "model_type"},
+                                           model_type=bc["model_type"])
+        with torch.device("meta"):
+            want = {k: tuple(v.shape) for k, v in head_class(meta["head_type"])(meta["head"], base_config)
+                    .trainable_state_dict().items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"checkpoint {directory}: config.json describes no head that can be built "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    differ = [f"{k} {list(shapes[k])} (config.json's head has {list(want[k])})"
+              for k in sorted(set(want) & set(shapes)) if shapes[k] != want[k]]
+    missing, unexpected = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
+    if differ or missing or unexpected:
+        parts = ([f"shapes differ: {'; '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}"] if differ else []) \
+            + ([f"missing {missing[:4]}"] if missing else []) + ([f"unexpected {unexpected[:4]}"] if unexpected else [])
+        raise ValueError(f"checkpoint {directory}: model.safetensors does not hold the {meta['head_type']} head its "
+                         f"config.json describes ({', '.join(parts)}); the two files come from different heads - "
+                         "copy both from one checkpoint folder")
 
 
 def load(directory: str | os.PathLike, base_model=None, model_cfg: Any | None = None):

@@ -207,7 +207,7 @@ def test_checkpoint_round_trip(tiny_base, tmp_path, name):
 @pytest.mark.parametrize("corrupt,match", [
     (lambda d: d.index_fill(0, torch.tensor([1]), int(d[0])), "appears more than once"),
     (lambda d: d.index_fill(0, torch.tensor([99]), 10_000), "out of range"),
-    (lambda d: d[:-1], "expected draft_vocab_size=100|missing keys|size mismatch"),
+    (lambda d: d[:-1], r"shapes differ: d2t \[99\] \(config.json's head has \[100\]\)"),
 ])
 def test_bad_checkpoint_d2t_is_named(tiny_base, tmp_path, corrupt, match):
     from safetensors.torch import load_file, save_file
@@ -219,8 +219,40 @@ def test_bad_checkpoint_d2t_is_named(tiny_base, tmp_path, corrupt, match):
     state = load_file(path)
     state["d2t"] = corrupt(state["d2t"]).contiguous()
     save_file(state, path)
-    with pytest.raises((ValueError, RuntimeError), match=match):
+    with pytest.raises(ValueError, match=match):
         heads.load(tmp_path / "h", base_model=base)
+
+
+def test_weights_of_another_head_beside_its_config_are_refused(tiny_base, tmp_path):
+    """A best/model.safetensors copied in from a run with another draft_vocab_size: heads.load died with
+    torch's 'size mismatch' RuntimeError traceback (naming no file), and heads.export wrote an EAGLE-3
+    config whose draft_vocab_size (100) disagreed with its lm_head's 50 rows."""
+    import shutil
+
+    from heads.export import export
+
+    base, _, ident = tiny_base
+    counts = torch.arange(base.config.vocab_size)
+    for n in (100, 50):
+        torch.manual_seed(0)
+        cfg = {**_heads_section("eagle3"), "layers": AUX, "attn_implementation": "eager", "draft_vocab_size": n}
+        heads.save(heads.build(cfg, base, label_counts=counts, counts_source="c"), tmp_path / f"n{n}", ident.to_dict())
+    shutil.copy(tmp_path / "n50" / "model.safetensors", tmp_path / "n100" / "model.safetensors")
+    msg = (rf"^checkpoint {tmp_path / 'n100'}: model.safetensors does not hold the eagle3 head its config.json "
+           r"describes \(shapes differ: d2t \[50\] \(config.json's head has \[100\]\); trainable_lm_head.weight "
+           r"\[50, 64\] \(config.json's head has \[100, 64\]\)\); the two files come from different heads")
+    with pytest.raises(ValueError, match=msg):
+        heads.load(tmp_path / "n100", base_model=base)
+    with pytest.raises(ValueError, match=msg):
+        export(tmp_path / "n100", "sglang", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    heads.load(tmp_path / "n50", base_model=base)  # the untouched folder still loads
+
+
+def _heads_section(name: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(compose([f"heads={name}"]).heads, resolve=True)
 
 
 def test_size_errors(tiny_base):
