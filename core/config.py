@@ -90,7 +90,8 @@ def compose(argv: Sequence[str] = ()) -> DictConfig:
             unknown (the message lists the valid keys of that section), or :func:`validate` fails.
 
     A value starting with ``~/`` is expanded to the home directory: bash expands ``~`` only at the start of
-    a word or after ``=`` in a valid variable name, never in ``data.path=~/x``.
+    a word or after ``=`` in a valid variable name, never in ``data.path=~/x``.  A key of :data:`TEXT_KEYS`
+    (a path or a name) keeps a value YAML would read as a number as the text typed (``train.run_name=2024``).
     """
     base = OmegaConf.load(CONFIG_DIR / "config.yaml")
     defaults = dict(base.pop("defaults", {}) or {})
@@ -122,6 +123,8 @@ def compose(argv: Sequence[str] = ()) -> DictConfig:
         try:
             parsed = OmegaConf.from_dotlist([item])
             new = OmegaConf.select(parsed, key)
+            if key in TEXT_KEYS and isinstance(new, (int, float)) and not isinstance(new, bool):
+                new = value.strip()  # a folder or run named 2024: YAML read a number, the key names a path or name
             if isinstance(new, str) and new.startswith("~/"):  # the shell leaves `key=~/x` unexpanded (a lone ~ is YAML's null)
                 new = os.path.expanduser(new)
             check_override_type(key, OmegaConf.select(defaults, key, default=None, throw_on_missing=False), new)
@@ -137,6 +140,13 @@ def compose(argv: Sequence[str] = ()) -> DictConfig:
             raise ConfigError(f"bad override {item!r}: not a valid YAML value ({' '.join(str(exc).split())})") from None
     validate(base)
     return base
+
+
+#: keys that hold a path or a name: a value YAML reads as a number (``train.cache_dir=2024``, a folder named
+#: 2024) is kept as the text typed; as a number it was a TypeError traceback wherever the path was opened
+TEXT_KEYS = frozenset({"output_root", "resume", "data.path", "model.path", "model.cache_dir", "prep.cache_dir",
+                       "train.cache_dir", "train.run_name", "train.wandb_project", "eval.checkpoint", "eval.prompts",
+                       "eval.output_dir"})
 
 
 def _kind(value) -> str | None:
@@ -274,6 +284,8 @@ def _core_checks(cfg: DictConfig) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         # Lightning's seed_everything raised a ValueError / TypeError traceback at the start of training
         raise ConfigError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}] (numpy's seed range)")
+    if "output_root" in cfg and (not isinstance(cfg.output_root, str) or not cfg.output_root.strip()):
+        raise ConfigError(f"output_root={cfg.output_root!r} must be a folder path (every stage writes under it)")
     check_output_path(cfg, "output_root")  # every stage writes under it (runs, caches, cost models)
 
 

@@ -109,3 +109,22 @@ def test_a_seed_outside_numpys_range_is_refused(value):
     with pytest.raises(ConfigError, match=r"^seed=.* must be an integer in \[0, 4294967295\]"):
         compose([f"seed={value}"])
     assert compose(["seed=4294967295"]).seed == 4294967295
+
+
+@pytest.mark.parametrize("key", ["train.cache_dir", "prep.cache_dir", "data.path", "eval.prompts", "eval.output_dir",
+                                 "eval.checkpoint", "output_root", "resume", "train.run_name"])
+def test_a_path_or_name_that_reads_as_a_number_stays_text(key, tmp_path, monkeypatch):
+    """``train.cache_dir=2024`` (a folder named 2024) arrived as the integer 2024: ``Path(2024)`` was a TypeError
+    traceback when training opened the cache; ``train.run_name=2024`` and ``resume=2024`` were refused as no
+    name or path."""
+    monkeypatch.chdir(tmp_path)
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.select(compose([f"{key}=2024"]), key) == "2024"
+    assert OmegaConf.select(compose([f"{key}=1e3"]), key) == "1e3"  # as typed, not 1000.0
+
+
+def test_output_root_null_is_refused():
+    """``output_root=null`` passed compose and every stage died on ``Path(None)`` (a TypeError traceback)."""
+    with pytest.raises(ConfigError, match=r"^output_root=None must be a folder path"):
+        compose(["output_root=null"])
