@@ -15,6 +15,8 @@ The composed config is struct-mode (no new keys) and is validated by :func:`vali
 from __future__ import annotations
 
 import copy
+import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -199,16 +201,12 @@ def check_override_type(key: str, default, value) -> None:
 
 def _plain_text(value) -> str:
     """``value`` (a config node or plain value) as JSON text for a message (NaN / inf as Python writes them)."""
-    import json
-
     return json.dumps(OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value)
 
 
 def _non_finite(value) -> str | None:
     """``'nan'``, ``'inf'`` or ``'-inf'`` for the first non-finite float in ``value`` (a number, or one
     inside a list or mapping), else None."""
-    import math
-
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     if isinstance(value, (DictConfig, ListConfig)):
@@ -239,8 +237,6 @@ def check_choice(cfg: DictConfig, key: str, allowed: Iterable) -> None:
 
 def check_range(cfg: DictConfig, key: str, lo: float | None = None, hi: float | None = None) -> None:
     """Raise :class:`ConfigError` unless ``cfg.<key>`` is a finite number with ``lo <= value <= hi`` (bounds optional)."""
-    import math
-
     value = OmegaConf.select(cfg, key, default=None)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ConfigError(f"{key}={value!r} must be a number")

@@ -4,13 +4,15 @@ Each check raises :class:`core.config.ConfigError` naming the offending key and 
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from core.config import ConfigError, check_choice, check_range, register_validator
 
 LOGGERS = ("wandb", "csv", "none")
 #: the largest ``train.max_time`` (seconds) Lightning's ``timedelta`` budget can hold
-MAX_TIME = __import__("datetime").timedelta.max.total_seconds()
+MAX_TIME = timedelta.max.total_seconds()
 SCHEDULES = ("linear", "cosine", "constant")
 CLIP_ALGORITHMS = ("value", "norm")
 PRECISIONS = ("auto", "32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
