@@ -55,12 +55,16 @@ Templating adds its own (:mod:`data_prep.front`): ``split_by_template`` and ``tu
 """
 from __future__ import annotations
 
+import bz2
 import codecs
 import contextlib
+import gzip
 import json
+import lzma
 import math
 import os
 import re
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,6 +230,42 @@ def resolve_path(path: str | os.PathLike | None) -> Iterator[Path]:
         yield Path(p)
 
 
+#: compressed files the readers open (by their first bytes, whatever their name): ``name -> (magic, opener)``
+#: (``None``: no reader here for it)
+COMPRESSIONS = {"gzip": (b"\x1f\x8b", gzip.open), "bz2": (b"BZh", bz2.open), "xz": (b"\xfd7zXZ\x00", lzma.open),
+                "zstd": (b"\x28\xb5\x2f\xfd", None)}
+#: file-name endings of compressed files (what ``data_prep.sources`` looks through for the data's own suffix)
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+
+
+class UnreadableFile(ValueError):
+    """A data file that cannot be read at all (a compression there is no reader for); the message names it."""
+
+
+def compression(path: str | os.PathLike) -> str | None:
+    """The compression of ``path`` by its first bytes (a key of :data:`COMPRESSIONS`), else None."""
+    with open(path, "rb") as fh:
+        head = fh.read(6)
+    return next((name for name, (magic, _) in COMPRESSIONS.items() if head.startswith(magic)), None)
+
+
+def open_binary(path: str | os.PathLike):
+    """``path`` opened for reading bytes, decompressed when it is gzip, bz2 or xz (``.jsonl.gz``: by its first bytes,
+    so a compressed file named ``.jsonl`` is read too).
+
+    Raises:
+        UnreadableFile: the file is zstd-compressed (no reader installed for it here).
+    """
+    kind = compression(path)
+    if kind is None:
+        return open(path, "rb")
+    opener = COMPRESSIONS[kind][1]
+    if opener is None:
+        raise UnreadableFile(f"{path}: {kind}-compressed, which this reader cannot open; decompress it first "
+                             f"(e.g. `zstd -d {Path(path).name}`) and set data.path to the result")
+    return opener(path, "rb")
+
+
 def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
@@ -260,7 +300,8 @@ def _has_replacement(obj: Any) -> bool:
 def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encoding: str = "utf-8") -> Iterator[Any]:
     """Stream the top-level JSON values of a ShareGPT file (JSON array or JSON Lines).
 
-    Every complete record is yielded in file order, even when the file is cut off or has corrupt
+    A gzip, bz2 or xz file (``.jsonl.gz``) is read decompressed (:func:`open_binary`); one cut off mid-stream reads
+    as a file cut off there.  Every complete record is yielded in file order, even when the file is cut off or has corrupt
     regions: after a value that cannot be decoded the reader skips to the next ``{`` that starts
     a record-shaped object (a dict with ``conversations`` or ``messages``) and adds the skipped bytes
     to ``stats.unparsed_bytes``.  Arrays are containers, wherever they open: ``[...][...]`` (two
@@ -275,6 +316,7 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encodi
 
     Raises:
         LookupError: unknown ``encoding``.
+        UnreadableFile: a zstd-compressed file (:func:`open_binary`).
 
     Yields:
         decoded JSON values (normally dicts; pass them to :func:`normalize`).
@@ -283,7 +325,7 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encodi
     decoder = json.JSONDecoder()
     utf8 = codecs.getincrementaldecoder(encoding)(errors="draftheads-count")
     replaced0 = _REPLACED[0]
-    with open(path, "rb") as fh:
+    with open_binary(path) as fh:
         buf = ""
         pos = 0
         eof = False
@@ -293,7 +335,13 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encodi
             nonlocal buf, pos, eof, lines_before
             if eof:
                 return False
-            raw = fh.read(_CHUNK_CHARS)
+            try:
+                raw = fh.read1(_CHUNK_CHARS)  # read1: a cut compressed stream gives what it held before raising
+            except EOFError:  # a compressed stream cut off: what it held so far is the file (its cut tail unparsed)
+                raw = b""
+            except (OSError, zlib.error, lzma.LZMAError) as exc:  # corrupt compressed data: no resynchronising in it
+                raise UnreadableFile(f"{path}: cannot be read past line {lines_before + buf.count(chr(10)) + 1} "
+                                     f"({type(exc).__name__}: {exc}): the compressed data is corrupt there; fetch or compress it again") from exc
             lines_before += buf.count("\n", 0, pos)
             if not raw:
                 eof = True

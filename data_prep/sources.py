@@ -4,12 +4,13 @@ One source is a ``data`` section (``data.path`` + options) or one entry of ``dat
 How ``path`` is read (``data.reader``):
 
 * ``auto`` (default): ``null`` (the packaged ShareGPT file) and local ``.json`` / ``.jsonl``
-  files go through the tolerant streaming reader (:func:`data_prep.sharegpt.iter_records`:
-  truncated or corrupt files, ``data.encoding``); everything else through ``datasets``;
+  files, compressed or not (``.jsonl.gz``, ``.json.bz2``, ``.jsonl.xz``), go through the tolerant streaming reader
+  (:func:`data_prep.sharegpt.iter_records`: truncated or corrupt files, ``data.encoding``); everything else through
+  ``datasets``;
 * ``datasets``: always through ``datasets``:
   a directory written by ``Dataset.save_to_disk`` → :func:`datasets.load_from_disk`;
-  a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` / ``.csv`` file → ``load_dataset(<builder>,
-  data_files=path, split="train")``; another directory or a hub id → ``load_dataset(path,
+  a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` / ``.csv`` file (``.json`` / ``.jsonl`` / ``.csv`` also
+  compressed: ``.csv.gz``) → ``load_dataset(<builder>, data_files=path, split="train")``; another directory or a hub id → ``load_dataset(path,
   split=data.split)``; ``data.streaming=true`` iterates without materialising the set.
 
 Every record then goes through the same :func:`data_prep.sharegpt.normalize` (``data.format``:
@@ -35,7 +36,8 @@ from typing import Any, Iterator
 
 from core.config import UserInputError
 from core.io import names_a_local_path
-from data_prep.sharegpt import FORMATS, Conversation, ReadStats, iter_records, normalize_records, resolve_path
+from data_prep.sharegpt import (COMPRESSED_SUFFIXES, FORMATS, Conversation, ReadStats, UnreadableFile, iter_records,
+                                normalize_records, open_binary, resolve_path)
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,15 @@ def source_specs(data_cfg) -> list[SourceSpec]:
     return specs
 
 
+def data_suffix(path: str | Path) -> str:
+    """The suffix that says what a data file holds, lower case: ``.jsonl`` for ``a.jsonl`` and ``a.JSONL.gz`` alike
+    (a compressed file's own suffix is one of :data:`data_prep.sharegpt.COMPRESSED_SUFFIXES`)."""
+    p = Path(path)
+    if p.suffix.lower() in COMPRESSED_SUFFIXES:
+        p = p.with_suffix("")
+    return p.suffix.lower()
+
+
 def _is_saved_dataset(p: Path) -> bool:
     return p.is_dir() and any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
@@ -150,7 +161,7 @@ def _load_error(spec: SourceSpec, p: Path, exc: BaseException, after: int | None
         return UserInputError(f"data.path={spec.path!r}: its files do not share one set of columns{where} (e.g. "
                               "'conversations' in one, 'messages' in another), which one datasets source cannot hold; "
                               f"list each file as its own data.sources entry ({text[:300]})")
-    has_files = p.is_dir() and any(f.suffix.lower() in _BUILDERS for f in p.iterdir() if f.is_file())
+    has_files = p.is_dir() and any(data_suffix(f) in _BUILDERS for f in p.iterdir() if f.is_file())
     if p.is_dir() and not has_files:
         return UserInputError(f"data.path={spec.path!r}: data files not found in this directory (neither a saved "
                               f"dataset nor files datasets can load: {text[:300]})")
@@ -167,9 +178,11 @@ def _csv_as_written(path: Path, encoding: str = "utf-8") -> dict:
 
     import datasets
 
+    import io
+
     sig = "utf-8-sig" if codecs.lookup(encoding).name == "utf-8" else encoding  # a byte-order mark, as elsewhere
-    with open(path, newline="", encoding=sig, errors="replace") as fh:
-        header = next(csv.reader(fh), [])
+    with open_binary(path) as raw, io.TextIOWrapper(raw, newline="", encoding=sig, errors="replace") as fh:
+        header = next(csv.reader(fh), [])  # a .csv.gz is read decompressed (datasets decompresses it too)
     opts = {"encoding": sig}
     if not header or len(set(header)) != len(header):  # let datasets report it
         return opts
@@ -191,10 +204,11 @@ def _datasets_rows(spec: SourceSpec) -> Iterator[dict]:
             if spec.streaming:
                 ds = ds.to_iterable_dataset()
         elif p.is_file():
-            builder = _BUILDERS.get(p.suffix.lower())
-            if builder is None:
-                raise UserInputError(f"data.path={spec.path!r}: unsupported file type {p.suffix!r} "
-                                     f"(supported: {', '.join(sorted(_BUILDERS))}, or a saved dataset directory)")
+            builder = _BUILDERS.get(data_suffix(p))
+            if builder is None or (builder not in ("json", "csv") and data_suffix(p) != p.suffix.lower()):
+                raise UserInputError(f"data.path={spec.path!r}: unsupported file type {''.join(p.suffixes[-2:])!r} "
+                                     f"(supported: {', '.join(sorted(_BUILDERS))}, .json / .jsonl / .csv also compressed "
+                                     f"{' / '.join(COMPRESSED_SUFFIXES)}, or a saved dataset directory)")
             ds = datasets.load_dataset(builder, data_files=str(p), split="train", streaming=spec.streaming,
                                        **(_csv_as_written(p, spec.encoding) if builder == "csv" else {}))
         else:
@@ -227,7 +241,7 @@ def iter_source(spec: SourceSpec) -> Iterator[Conversation]:
     """
     use_tolerant = spec.reader == "tolerant" or (
         spec.reader == "auto" and (spec.path is None or (Path(spec.path).is_file()
-                                                         and Path(spec.path).suffix.lower() in (".json", ".jsonl"))))
+                                                         and data_suffix(spec.path) in (".json", ".jsonl"))))
     if use_tolerant:
         try:
             codecs.lookup(spec.encoding)
@@ -237,7 +251,7 @@ def iter_source(spec: SourceSpec) -> Iterator[Conversation]:
             with resolve_path(spec.path) as p:
                 yield from normalize_records(iter_records(p, spec.stats, spec.encoding), spec.stats, spec.format,
                                              spec.id_prefix)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, UnreadableFile) as exc:
             raise UserInputError(str(exc)) from None
     else:
         if spec.path is None:

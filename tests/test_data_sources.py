@@ -283,3 +283,56 @@ def test_a_csv_in_another_encoding_is_read_with_data_encoding(tmp_path):
     data = read_split(_data_cfg(f"data.path={path}", "data.encoding=latin-1"))
     assert [c.messages for c in data.train + data.val] == [[{"role": "user", "content": "Caf\u00e9 ?"},
                                                             {"role": "assistant", "content": "Oui, caf\u00e9."}]]
+
+
+@pytest.mark.parametrize("name,extra", [("d.jsonl.gz", []), ("d.json.gz", []), ("d.jsonl.bz2", []), ("d.jsonl.xz", []),
+                                        ("gzipped-but-named.jsonl", []), ("d.jsonl.gz", ["data.reader=datasets"]),
+                                        ("d.csv.gz", [])])
+def test_a_compressed_file_is_read_decompressed(tmp_path, name, extra):
+    """A ``.jsonl.gz`` (dumps and hub files often ship gzipped) was refused as "unsupported file
+    type '.gz'", and a ``.csv.gz`` had its header read as compressed bytes."""
+    import bz2
+    import csv
+    import gzip
+    import io
+    import lzma
+
+    rows = [_sharegpt(0), _messages(1)]
+    if name.endswith(".csv.gz"):
+        buf = io.StringIO()
+        csv.writer(buf).writerows([["id", "messages"]] + [[r["id"], json.dumps(r["messages"])] for r in rows[1:]])
+        text, want = buf.getvalue(), ["m1"]
+    else:
+        text = json.dumps(rows) if ".json." in name else "\n".join(json.dumps(r) for r in rows)
+        want = ["s0", "m1"]
+    pack = {".bz2": bz2.compress, ".xz": lzma.compress}.get(Path(name).suffix, gzip.compress)
+    path = tmp_path / name
+    path.write_bytes(pack(text.encode()))
+    data = read_split(_data_cfg(f"data.path={path}", *extra))
+    assert _ids(data) == want and not data.stats.dropped and data.stats.unparsed_bytes == 0
+    assert data.train[-1].messages == [{"role": "user", "content": "question 1"}, {"role": "assistant", "content": "answer 1"}]
+
+
+def test_a_cut_or_unreadable_compressed_file(tmp_path):
+    """A gzip cut off mid-stream keeps its complete records and counts the cut one, as a cut plain file does; a zstd
+    file (no reader here) or corrupt compressed data is one line naming the file."""
+    import gzip
+    import hashlib
+
+    rows = [_sharegpt(i) for i in range(3)]
+    for r in rows:  # text that does not compress away: cutting the stream's end cuts the last record
+        r["conversations"][1]["value"] = "".join(hashlib.sha256(f"{r['id']}{k}".encode()).hexdigest() for k in range(4))
+    packed = gzip.compress("\n".join(json.dumps(r) for r in rows).encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed[:-60])
+    data = read_split(_data_cfg(f"data.path={cut}"))
+    assert _ids(data) == ["s0", "s1"] and data.stats.unparsed_bytes > 0
+    assert data.stats.first_unparsed["line"] == 3 and data.stats.first_unparsed["text"].startswith('{"id": "s2"')
+    zst = tmp_path / "d.jsonl.zst"
+    zst.write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 16)
+    with pytest.raises(UserInputError, match=r"d\.jsonl\.zst: zstd-compressed.*zstd -d"):
+        read_split(_data_cfg(f"data.path={zst}"))
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(packed[:12] + b"\xff" * 12 + packed[24:])
+    with pytest.raises(UserInputError, match=r"bad\.jsonl\.gz: cannot be read past line 1 .*corrupt"):
+        read_split(_data_cfg(f"data.path={bad}"))
