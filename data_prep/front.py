@@ -108,6 +108,17 @@ def _first_drop(stats: ReadStats) -> str:
     return f"; most common: {reason} ({stats.dropped[reason]}), first {ex['id']!r}: {ex['message']}"
 
 
+def _unparsed(stats: ReadStats) -> str:
+    """Where a source's unparsed bytes are (:attr:`ReadStats.first_unparsed`), for the no-usable-conversation error:
+    a file none of whose records decoded (single-quoted "JSON", a Python dump, another encoding) reads 0 records."""
+    first = stats.first_unparsed
+    if not stats.unparsed_bytes or first is None:
+        return ""
+    return (f"; {stats.unparsed_bytes:,} bytes in {stats.unparsed_regions} region(s) are not JSON records, the first "
+            f"at line {first['line']}: {first['text']!r}"
+            + (" (NUL characters: UTF-16 text? set data.encoding=utf-16)" if "\x00" in first["text"] else ""))
+
+
 def read_split(data_cfg) -> SplitConversations:
     """Read the first ``data.max_conversations`` normalised conversations of the (mixed) sources and split them.
 
@@ -134,7 +145,7 @@ def read_split(data_cfg) -> SplitConversations:
         spec = out.sources[j]
         if spec.taken == 0:
             raise UserInputError(f"no usable conversation in {spec.name} (records read {spec.stats.records}, "
-                                 f"dropped {dict(sorted(spec.stats.dropped.items()))}{_first_drop(spec.stats)}); "
+                                 f"dropped {dict(sorted(spec.stats.dropped.items()))}{_first_drop(spec.stats)}{_unparsed(spec.stats)}); "
                                  "check data.path / data.sources and data.format")
     return out
 

@@ -93,6 +93,19 @@ def test_a_source_without_usable_conversations_is_named(tmp_path):
         read_split(_data_cfg(f"data.path={tmp_path / 'nope.parquet'}"))
 
 
+@pytest.mark.parametrize("text,where", [
+    ("{'id': 'a', 'conversations': [{'from': 'human', 'value': 'q'}]}\n", r"line 1: .\{'id': 'a'"),  # a Python dump
+    (json.dumps(_sharegpt(0)).encode("utf-16"), r"line 1: .*UTF-16 text\? set data\.encoding=utf-16")])
+def test_a_file_with_no_json_record_says_where_its_text_is_not_json(tmp_path, text, where):
+    """A file none of whose text decoded said "records read 0, dropped {}" and nothing of the bytes it skipped
+    (counted in unparsed_bytes), so the user had nothing to look at."""
+    path = tmp_path / "nojson.jsonl"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(UserInputError, match=r"nojson\.jsonl \(records read 0, dropped \{\}; \d+ bytes in 1 region\(s\) "
+                                             r"are not JSON records, the first at " + where):
+        read_split(_data_cfg(f"data.path={path}"))
+
+
 @pytest.mark.parametrize("path", ["tp/missing.json", "missing.JSONL", "data/sub/missing", "nope.parquet"])
 def test_a_missing_relative_file_is_named_without_asking_the_hub(path, monkeypatch, tmp_path):
     """A relative path that can only be a local file (a data suffix, or folders) and is not there is
