@@ -300,7 +300,9 @@ def _has_replacement(obj: Any) -> bool:
 def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encoding: str = "utf-8") -> Iterator[Any]:
     """Stream the top-level JSON values of a ShareGPT file (JSON array or JSON Lines).
 
-    A gzip, bz2 or xz file (``.jsonl.gz``) is read decompressed (:func:`open_binary`); one cut off mid-stream reads
+    A control character written raw inside a string (a tab, a CR or a newline that the writer did not escape, as
+    JSON requires) is read as that character, as ``json.loads(strict=False)`` does: the text is unambiguous, and
+    the record was lost to ``unparsed_bytes``.  A gzip, bz2 or xz file (``.jsonl.gz``) is read decompressed (:func:`open_binary`); one cut off mid-stream reads
     as a file cut off there.  Every complete record is yielded in file order, even when the file is cut off or has corrupt
     regions: after a value that cannot be decoded the reader skips to the next ``{`` that starts
     a record-shaped object (a dict with ``conversations`` or ``messages``) and adds the skipped bytes
@@ -322,7 +324,7 @@ def iter_records(path: str | os.PathLike, stats: ReadStats | None = None, encodi
         decoded JSON values (normally dicts; pass them to :func:`normalize`).
     """
     stats = stats if stats is not None else ReadStats()
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(strict=False)  # a raw tab or newline inside a string is that character (see above)
     utf8 = codecs.getincrementaldecoder(encoding)(errors="draftheads-count")
     replaced0 = _REPLACED[0]
     with open_binary(path) as fh:

@@ -223,7 +223,7 @@ def read_jsonl_records(path: str | Path, field: str | None = None, limit: int | 
             continue
         where = f"{path}:{lineno}"
         try:
-            rec = json.loads(line)
+            rec = json.loads(line, strict=False)  # a raw tab inside a string is a tab, as data prep reads it
         except json.JSONDecodeError as exc:
             if lineno == 1 and line.lstrip().startswith("["):  # a JSON array file, not JSON Lines
                 raise PromptError(f"{path}: a JSON array; eval.prompts reads JSON Lines, one JSON object a line "

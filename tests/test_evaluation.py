@@ -118,6 +118,14 @@ def test_nan_fields_read_as_null_as_data_prep_reads_them(tmp_path):
         read_jsonl_records(f)
 
 
+def test_a_raw_tab_inside_a_prompt_string_is_a_tab_as_data_prep_reads_it(tmp_path):
+    """A raw tab inside a string (JSON wants ``\\t``) refused the file ("invalid JSON (Invalid control character
+    at)") while data prep reads it as a tab."""
+    f = tmp_path / "tab.jsonl"
+    f.write_text('{"id": "t", "turns": ["col1\tcol2"]}\n')
+    assert read_jsonl_records(f)[0]["messages"] == [{"role": "user", "content": "col1\tcol2"}]
+
+
 def test_cli_oracle_report(tiny_model_dir, tmp_path, prompts_file, capsys):
     assert rewrite_argv(["checkpoint=x", "heads=ctc"]) == ["eval.checkpoint=x", "heads=ctc"]
     rc = main(_argv(tiny_model_dir, tmp_path, "checkpoint=oracle", f"eval.prompts={prompts_file}",

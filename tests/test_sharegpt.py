@@ -286,6 +286,20 @@ def test_a_cut_record_with_message_ids_is_unparsed_bytes_not_a_phantom_record(tm
     assert stats.records == 2 and not stats.dropped and stats.unparsed_bytes == len(cut.rstrip(",").encode())
 
 
+def test_a_raw_control_character_inside_a_string_is_that_character(tmp_path):
+    """A tab or newline written raw inside a string (JSON wants ``\\t``; hand edits and ad-hoc writers leave them,
+    "Invalid control character at" in many trainers' issues) lost the whole record to ``unparsed_bytes``.  A line
+    cut inside a string still costs only that line."""
+    good = '{"id": "t", "conversations": [{"from": "human", "value": "a\tb\rc"}, {"from": "gpt", "value": "x\ny"}]}'
+    cut = json.dumps(_rec(1))[:50]
+    path = tmp_path / "raw.jsonl"
+    path.write_text(good + "\n" + cut + "\n" + json.dumps(_rec(2)) + "\n", newline="")
+    stats = ReadStats()
+    convs = list(iter_conversations(path, stats))
+    assert [c.id for c in convs] == ["t", "r2"] and stats.unparsed_bytes == len(cut)
+    assert convs[0].messages == [{"role": "user", "content": "a\tb\rc"}, {"role": "assistant", "content": "x\ny"}]
+
+
 def test_system_field_and_id_are_cleaned_or_refused_like_turn_text():
     """A lone surrogate in the ``system`` field or the id crashed templating and the split's hashing with a
     traceback naming no record; a non-string ``system`` was dropped silently (the record trained without it)."""
