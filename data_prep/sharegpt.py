@@ -27,6 +27,9 @@ Normalisation rules (issues 15, 28): every change to a kept record is counted un
   ``Sequence`` of turn dicts) is read by row (``columnar_turns_read``);
 * a record's top-level ``system`` string (LLaMA-Factory's sharegpt layout) becomes its system turn
   (``system_field_used``), unless it has one already (``system_field_ignored`` when they differ);
+* an empty (or whitespace-only) system turn is no system prompt, as an empty ``system`` field is: the turn is
+  dropped (``empty_system_dropped``; SlimOrca / OpenHermes-style exports write ``{"from": "system", "value": ""}``),
+  where an empty user or assistant turn drops the record (``empty_turn``);
 * leading assistant turns (after an optional system turn) are dropped and the rest kept
   (``leading_assistant_dropped``; ShareGPT splits long conversations into parts, and a part
   often starts with the assistant — FastChat and SpecForge do the same);
@@ -81,7 +84,7 @@ ROLE_MAP = {
 BAD_REASONS = (
     "missing_conversations",  # no ``conversations`` key, not a list, or the record is not an object
     "non_string_value",       # a turn whose ``value`` is missing or not a string (or a turn that is not an object)
-    "empty_turn",             # a turn whose ``value`` is empty or whitespace only
+    "empty_turn",             # a user or assistant turn whose ``value`` is empty or whitespace only
     "unknown_role",           # a ``from`` outside ROLE_MAP
     "no_assistant_turn",      # no user turn followed by an assistant turn (after dropping leading assistant turns)
     "misplaced_system",       # a system turn that is not the first turn
@@ -606,6 +609,9 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         if role is None:
             return Drop("unknown_role", f"turn {t}: unknown role {raw_role!r}")
         if not text.strip():
+            if role == "system":  # no system prompt, as an empty top-level ``system`` field reads
+                fixes.setdefault("empty_system_dropped", f"turn {t}: empty system turn dropped (no system prompt)")
+                continue
             return Drop("empty_turn", f"turn {t}: empty {role} turn")
         if raw_role.strip() != role:
             fixes.setdefault(f"role_mapped_{raw_role.strip()}_to_{role}", f"turn {t}: role {raw_role!r} read as {role!r}")

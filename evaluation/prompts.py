@@ -59,8 +59,9 @@ def turn_id(prompt_id: str, turn: int) -> str:
 def _chat_messages(value: list, key: str, where: str) -> list[dict[str, str]]:
     """A ``messages`` prompt field read as data prep reads a ``messages`` record
     (:func:`data_prep.sharegpt.normalize`): roles mapped (``human`` -> user, ``gpt`` -> assistant), text
-    parts joined, leading assistant turns dropped, consecutive turns of one role joined by a blank line; an
-    unknown role, an empty turn or a system turn after the first is refused, by message."""
+    parts joined, an empty system turn dropped, leading assistant turns dropped, consecutive turns of one role joined
+    by a blank line; an unknown role, an empty user or assistant turn or a system turn after the first is refused, by
+    message."""
     msgs = []
     for j, m in enumerate(value):
         role_key, text_key = turn_keys(m, "role")  # {role, content}, or a ShareGPT {from, value} as data prep reads
@@ -73,8 +74,10 @@ def _chat_messages(value: list, key: str, where: str) -> list[dict[str, str]]:
             raise PromptError(f"{where}: field {key!r}[{j}] has the unknown role {m[role_key]!r} (user, assistant, "
                               "system, or ShareGPT's human, gpt)")
         if not text.strip():
+            if role == "system":  # no system prompt, as data prep reads it (empty_system_dropped)
+                continue
             raise PromptError(f"{where}: field {key!r}[{j}] is an empty {role} turn")
-        if role == "system" and j > 0:
+        if role == "system" and msgs:  # after a kept turn (an empty system turn before it is dropped)
             raise PromptError(f"{where}: field {key!r}[{j}] is a system turn that is not the first")
         msgs.append({"role": role, "content": text})
     return msgs[: 1 if msgs and msgs[0]["role"] == "system" else 0] + body_turns(msgs)[0]  # as data prep

@@ -118,6 +118,14 @@ def test_nan_fields_read_as_null_as_data_prep_reads_them(tmp_path):
         read_jsonl_records(f)
 
 
+def test_an_empty_system_message_is_no_system_prompt_as_data_prep_reads_it(tmp_path):
+    """An empty system message refused the prompt file ("is an empty system turn") while data prep drops the turn."""
+    f = tmp_path / "sys.jsonl"
+    f.write_text(json.dumps({"id": "s", "messages": [{"role": "system", "content": ""}, {"role": "system", "content": "Hi."},
+                                                     {"role": "user", "content": "q"}]}) + "\n")
+    assert read_jsonl_records(f)[0]["messages"] == [{"role": "system", "content": "Hi."}, {"role": "user", "content": "q"}]
+
+
 def test_a_raw_tab_inside_a_prompt_string_is_a_tab_as_data_prep_reads_it(tmp_path):
     """A raw tab inside a string (JSON wants ``\\t``) refused the file ("invalid JSON (Invalid control character
     at)") while data prep reads it as a tab."""

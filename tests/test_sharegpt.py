@@ -300,6 +300,22 @@ def test_a_raw_control_character_inside_a_string_is_that_character(tmp_path):
     assert convs[0].messages == [{"role": "user", "content": "a\tb\rc"}, {"role": "assistant", "content": "x\ny"}]
 
 
+def test_an_empty_system_turn_is_no_system_prompt():
+    """``{"from": "system", "value": ""}`` (SlimOrca / OpenHermes-style exports) dropped the whole record as
+    ``empty_turn``, although an empty top-level ``system`` field already read as no system prompt."""
+    fixed = Counter()
+    conv = normalize({"id": "e", "system": "Be brief.", "conversations": [
+        {"from": "system", "value": " "}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, 0, fixed=fixed)
+    assert conv.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
+                             {"role": "assistant", "content": "a"}]
+    assert fixed["empty_system_dropped"] == 1 and fixed["system_field_used"] == 1
+    conv = normalize({"id": "m", "messages": [{"role": "system", "content": ""}, {"role": "user", "content": "q"},
+                                              {"role": "assistant", "content": "a"}]}, 0)
+    assert conv.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    bad = normalize({"id": "u", "conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "a"}]}, 0)
+    assert bad == "empty_turn" and bad.message == "turn 0: empty user turn"
+
+
 def test_system_field_and_id_are_cleaned_or_refused_like_turn_text():
     """A lone surrogate in the ``system`` field or the id crashed templating and the split's hashing with a
     traceback naming no record; a non-string ``system`` was dropped silently (the record trained without it)."""
