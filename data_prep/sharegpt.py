@@ -442,6 +442,23 @@ def turn_text(value: Any) -> str | None:
     return None
 
 
+def not_text(turn: Any, text_key: str) -> str:
+    """Why ``turn``'s ``text_key`` is not text (:func:`turn_text` gave None), for the drop message: a multimodal
+    content list is named by its first non-text part, so an image record does not read as a missing value."""
+    if not isinstance(turn, dict):
+        return f"the turn is of type {type(turn).__name__}, not an object"
+    value = turn.get(text_key)
+    if is_null(value):
+        return f"{text_key!r} is missing or null"
+    if isinstance(value, list) and value:
+        part = next((q for q in value if not (isinstance(q, dict) and q.get("type") == "text"
+                                              and isinstance(q.get("text"), str))), None)
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        return (f"{text_key!r} holds a part of type {kind!r}; only {{'type': 'text', 'text': ...}} parts are read (images, "
+                "audio and files are not rendered by this pipeline)")
+    return f"{text_key!r} is {'an empty list' if isinstance(value, list) else 'of type ' + type(value).__name__}, not a string"
+
+
 def message_role(raw: Any) -> str | None:
     """``user`` / ``assistant`` / ``system`` for a turn's role or ShareGPT ``from`` (:data:`ROLE_MAP`:
     ``human``, ``gpt`` ...; case and spaces ignored), None for an unknown one."""
@@ -603,7 +620,7 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         role_key, text_key = keys
         text = turn_text(turn.get(text_key)) if isinstance(turn, dict) else None
         if text is None:
-            return Drop("non_string_value", f"turn {t}: {text_key!r} is missing or not a string")
+            return Drop("non_string_value", f"turn {t}: {not_text(turn, text_key)}")
         raw_role = str(turn.get(role_key, ""))
         role = message_role(raw_role)
         if role is None:

@@ -316,6 +316,19 @@ def test_an_empty_system_turn_is_no_system_prompt():
     assert bad == "empty_turn" and bad.message == "turn 0: empty user turn"
 
 
+@pytest.mark.parametrize("content,said", [
+    ([{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": "x.png"}}],
+     "turn 0: 'content' holds a part of type 'image_url'; only {'type': 'text', 'text': ...} parts are read"),
+    (None, "turn 0: 'content' is missing or null"), (42, "turn 0: 'content' is of type int, not a string"),
+    ([], "turn 0: 'content' is an empty list, not a string")])
+def test_a_turn_that_is_not_text_is_dropped_saying_what_it_holds(content, said):
+    """An image part (LLaVA / OpenAI vision records) was dropped as "'content' is missing or not a string", which
+    sent the user looking for a missing key."""
+    out = normalize({"id": "v", "messages": [{"role": "user", "content": content},
+                                             {"role": "assistant", "content": "A cat."}]}, 0)
+    assert out == "non_string_value" and out.message.startswith(said)
+
+
 def test_system_field_and_id_are_cleaned_or_refused_like_turn_text():
     """A lone surrogate in the ``system`` field or the id crashed templating and the split's hashing with a
     traceback naming no record; a non-string ``system`` was dropped silently (the record trained without it)."""
