@@ -77,7 +77,9 @@ ROLE_MAP = {
     "human": "user", "user": "user",
     "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
     "assistant": "assistant",
+    "model": "assistant",    # Gemini / Gemma chat data: {"role": "model"}
     "system": "system",
+    "developer": "system",   # OpenAI's name for the system message since its o1 models
 }
 
 #: Reasons a record is skipped (the keys of :attr:`ReadStats.dropped`).

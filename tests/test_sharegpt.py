@@ -372,3 +372,28 @@ def test_turns_keyed_both_ways_count_only_the_other_layout():
     conv = normalize({"id": "m", "conversations": turns}, 0)
     assert [r for r, _ in conv.fixes if r.startswith("turn_keys")] == ["turn_keys_role_content"]
     assert [m["content"] for m in conv.messages] == ["q", "a", "q2", "a2"]
+
+
+def test_gemini_model_and_openai_developer_roles_are_read():
+    """Gemini / Gemma chat data name the assistant ``model`` and OpenAI's newer exports name the system message
+    ``developer``: both were dropped as ``unknown_role``.  Now mapped and counted, in data prep and evaluation
+    prompts alike (one role table, :data:`data_prep.sharegpt.ROLE_MAP`)."""
+    fixed = Counter()
+    conv = normalize({"id": "g", "messages": [{"role": "developer", "content": "Be brief."},
+                                              {"role": "user", "content": "q"}, {"role": "model", "content": "a"}]},
+                     0, fixed=fixed)
+    assert conv.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
+                             {"role": "assistant", "content": "a"}]
+    assert fixed == Counter({"role_mapped_developer_to_system": 1, "role_mapped_model_to_assistant": 1})
+    bad = normalize({"id": "t", "messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "a"}]}, 0)
+    assert bad == "unknown_role"  # a tool result is still no assistant reply
+
+
+def test_evaluation_prompts_read_the_developer_role(tmp_path):
+    from evaluation.prompts import read_jsonl_records
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"id": "d", "messages": [{"role": "developer", "content": "Be brief."},
+                                                     {"role": "user", "content": "Hi"}]}) + "\n")
+    assert read_jsonl_records(f)[0]["messages"] == [{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "Hi"}]
