@@ -7,9 +7,12 @@ or YAML.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -116,6 +119,54 @@ def make_tmp_dir(prefix: str, parent: str | os.PathLike) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     os.chmod(tmp, 0o777 & ~_umask())
     return tmp
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``, kernel 3.15+,
+    glibc 2.28+); False where the kernel, the C library or the file system does not offer it."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def interrupted_swap(target: str | os.PathLike) -> Path | None:
+    """The previous contents of ``target`` left by a :func:`replace_dir` stopped between its two renames (only where
+    the atomic exchange is unavailable): ``.<name>.old-<pid>`` beside it, the newest first; None when there is none."""
+    target = Path(target)
+    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return olds[0] if olds else None
+
+
+def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Put the directory ``new`` (a sibling made by :func:`make_tmp_dir` and filled) at ``target``, replacing what
+    was there, so that a reader or a crash sees the whole old folder or the whole new one, never a mix.
+
+    Where ``target`` exists the two are exchanged in one atomic step (:func:`_exchange`) and the old contents
+    removed; without that system call the old folder is first renamed to ``.<name>.old-<pid>``, so a crash
+    between the two renames leaves it there, whole (:func:`interrupted_swap` finds it).
+
+    Raises:
+        OSError: a rename fails (nothing is removed then).
+    """
+    new, target = Path(new), Path(target)
+    if not os.path.lexists(target):
+        os.replace(new, target)
+    elif _exchange(new, target):
+        shutil.rmtree(new)  # now the old contents
+    else:
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(new, target)
+        shutil.rmtree(old)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -143,7 +143,12 @@ def check_checkpoint_dir(directory: str | os.PathLike, head_type: str | None = N
     """
     directory = Path(directory)
     if not directory.exists():
-        raise FileNotFoundError(f"checkpoint {directory}: no such directory")
+        from core.io import interrupted_swap
+
+        left = interrupted_swap(directory)
+        raise FileNotFoundError(f"checkpoint {directory}: no such directory" + (
+            f" ({left} holds its previous contents, whole: a replacement was stopped between its two renames; "
+            f"rename it back to {directory.name})" if left else ""))
     if directory.is_file():
         raise FileNotFoundError(f"checkpoint {directory} is a file: pass the folder that holds it ({directory.parent})")
     if not (directory / "model.safetensors").is_file():

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from core.finite import check_finite
-from core.io import atomic_save_safetensors, atomic_write_bytes, atomic_write_json, manifest_identity, sha256_file
+from core.io import (atomic_save_safetensors, atomic_write_bytes, atomic_write_json, make_tmp_dir, manifest_identity,
+                     replace_dir, sha256_file)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 RUN_FILES = ("record.json", "val_curve.png", "config.yaml")
@@ -71,7 +73,7 @@ def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_d
 
     Args:
         checkpoint: a head directory with ``model.safetensors`` and ``config.json``.
-        out: the destination directory (created; files replaced atomically).
+        out: the destination directory (created; replaced whole and atomically, :func:`core.io.replace_dir`).
         dtype: ``bfloat16`` | ``float16`` | ``float32``.
         run_dir: optional run directory whose ``record.json``, ``val_curve.png`` and ``config.yaml``
             are copied along (those present).
@@ -117,18 +119,23 @@ def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_d
     if cache_dir is not None:
         meta["extra"]["cache"] = cache_identity(cache_dir)
     meta["extra"]["shipped_from"] = {"checkpoint": str(src.resolve()), "sha256": src_sha256}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_save_safetensors(cast, out / "model.safetensors", metadata={**metadata, "stored_dtype": dtype})
-    atomic_write_json(out / "config.json", meta)
-    for name in RUN_FILES if run_dir is None else ():  # an earlier ship's training record is not this head's
-        (out / name).unlink(missing_ok=True)
-    for name in RUN_FILES if run_dir is not None else ():
-        path = Path(run_dir) / name
-        if path.is_file():
-            data = path.read_bytes()
-            if name == "config.yaml":
-                data = trained_config_yaml(data.decode("utf-8"), meta["extra"].get("features")).encode("utf-8")
-            atomic_write_bytes(out / name, data)
+    # every file into a fresh sibling folder, then swapped in whole: a crash never leaves one head's weights
+    # beside another's config.json (an earlier ship's training record is not this head's either)
+    tmp = make_tmp_dir(prefix=f".{out.name}.", parent=out.parent if str(out.parent) else ".")
+    try:
+        atomic_save_safetensors(cast, tmp / "model.safetensors", metadata={**metadata, "stored_dtype": dtype})
+        atomic_write_json(tmp / "config.json", meta)
+        for name in RUN_FILES if run_dir is not None else ():
+            path = Path(run_dir) / name
+            if path.is_file():
+                data = path.read_bytes()
+                if name == "config.yaml":
+                    data = trained_config_yaml(data.decode("utf-8"), meta["extra"].get("features")).encode("utf-8")
+                atomic_write_bytes(tmp / name, data)
+        replace_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
     return out
 
 
@@ -181,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         out = ship(a.checkpoint, a.out, a.dtype, a.run, a.cache)
-    except (FileNotFoundError, ValueError) as exc:  # NonFiniteError is a ValueError
+    except (OSError, ValueError) as exc:  # NonFiniteError is a ValueError; a full disk or a denied write is an OSError
         print(f"error: {exc}", file=sys.stderr)
         return 2
     size = (out / "model.safetensors").stat().st_size

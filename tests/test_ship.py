@@ -134,3 +134,60 @@ def test_a_shipped_head_of_record_says_what_it_trained_on(head_dir):
     want = feature_config_values(features)
     assert want == {"labels": "teacher_forced", "prep.layers": [2, 8, 15, 22, 27], "prep.dtype": "float8_e4m3fn"}
     assert {k: (sorted(OmegaConf.select(cfg, k)) if k == "prep.layers" else OmegaConf.select(cfg, k)) for k in want} == want
+
+
+def test_a_ship_stopped_mid_write_leaves_the_earlier_ship_whole(checkpoint, tmp_path, monkeypatch):
+    """A ship wrote model.safetensors and then config.json into the destination: stopped between the two while
+    replacing an earlier ship, the folder held one head's weights beside another's config.json.  Every file now
+    goes into a fresh sibling, swapped in whole (core.io.replace_dir)."""
+    import heads.ship as ship_mod
+
+    _, ckpt, run = checkpoint
+    out = ship(ckpt, tmp_path / "shipped", "bfloat16", run_dir=run)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt  # the process stopped after the weights were written
+    monkeypatch.setattr(ship_mod, "atomic_write_json", stop)
+    with pytest.raises(KeyboardInterrupt):
+        ship(ckpt, out, "float16")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".shipped")] == []  # nothing left beside it
+
+
+@pytest.mark.parametrize("atomic_exchange", [True, False])
+def test_replace_dir_swaps_whole_folders_and_names_an_interrupted_swap(tmp_path, monkeypatch, atomic_exchange):
+    """core.io.replace_dir: the target ends holding exactly the new folder's files and nothing is left beside it;
+    without the atomic exchange, a stop between its two renames leaves the old folder whole as .<name>.old-<pid>,
+    which the checkpoint check then names."""
+    import core.io as io
+    from heads.registry import check_checkpoint_dir
+
+    if not atomic_exchange:
+        monkeypatch.setattr(io, "_exchange", lambda a, b: False)
+    target = tmp_path / "best"
+    target.mkdir()
+    (target / "a").write_text("old")
+    (target / "gone").write_text("old")
+    new = io.make_tmp_dir(".best.", tmp_path)
+    (new / "a").write_text("new")
+    io.replace_dir(new, target)
+    assert {p.name: p.read_text() for p in target.iterdir()} == {"a": "new"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+    if atomic_exchange:
+        return
+    new = io.make_tmp_dir(".best.", tmp_path)
+    real_replace, calls = io.os.replace, []
+
+    def stopped_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+    monkeypatch.setattr(io.os, "replace", stopped_second)
+    with pytest.raises(KeyboardInterrupt):
+        io.replace_dir(new, target)
+    left = io.interrupted_swap(target)
+    assert not target.exists() and left is not None and (left / "a").read_text() == "new"
+    with pytest.raises(FileNotFoundError, match=r"holds its previous contents, whole.*rename it back to best"):
+        check_checkpoint_dir(target)

@@ -28,7 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from core.io import make_tmp_dir
+from core.io import make_tmp_dir, replace_dir
 from omegaconf import DictConfig, OmegaConf
 
 import heads
@@ -145,18 +145,12 @@ def export_head(head, directory: Path, identity: dict[str, Any], extra: dict[str
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_tmp_dir(prefix=f".{directory.name}.", parent=directory.parent)
-    old = None
     try:
         heads.save(head, tmp, identity, extra=extra)
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-        os.replace(tmp, directory)
+        replace_dir(tmp, directory)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-        if old is not None and old.exists():
-            shutil.rmtree(old)
     return directory
 
 
