@@ -204,3 +204,25 @@ def test_equal_weights_give_equal_bytes(tiny_base, tmp_path):
     digests = {sha256_file(heads.save(head, tmp_path / f"h{i}", {"vocab_size": 1}) / "model.safetensors")
                for i in range(8)}
     assert len(digests) == 1
+
+
+def test_last_checkpoint_is_the_furthest_step_not_the_newest_file(tmp_path):
+    """A run folder copied without its times (``cp -r``) gave last.ckpt and Lightning's Slurm checkpoint arbitrary
+    mtimes, and the newest file was taken: an older step, repeating training.  The step each records decides."""
+    import os
+
+    from train.checkpoint_io import dumps
+    from train.resume import last_checkpoint
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    last, hpc = run / "checkpoints" / "last.ckpt", run / "hpc_ckpt_1.ckpt"
+    last.write_bytes(dumps({"global_step": 40, "epoch": 0, "state_dict": {"w": torch.zeros(2)}}))
+    hpc.write_bytes(dumps({"global_step": 25, "epoch": 0, "state_dict": {"w": torch.ones(2)}}))
+    os.utime(last, (1, 1))  # the copy made the further checkpoint the older file
+    assert last_checkpoint(run) == last
+    hpc.write_bytes(dumps({"global_step": 41, "epoch": 0, "state_dict": {"w": torch.ones(2)}}))
+    os.utime(hpc, (0, 0))
+    assert last_checkpoint(run) == hpc
+    hpc.write_bytes(b"torn")  # an unreadable header: the newest file, whose load then names it
+    assert last_checkpoint(run) == hpc

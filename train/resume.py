@@ -30,11 +30,27 @@ LAST = "last.ckpt"
 
 
 def last_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest of ``<run_dir>/checkpoints/last.ckpt`` and Lightning's Slurm checkpoints
-    ``<run_dir>/hpc_ckpt_<n>.ckpt`` (written on SIGUSR1 before a time limit), or None."""
+    """The furthest of ``<run_dir>/checkpoints/last.ckpt`` and Lightning's Slurm checkpoints
+    ``<run_dir>/hpc_ckpt_<n>.ckpt`` (written on SIGUSR1 before a time limit), or None.
+
+    Furthest by the ``global_step`` each file records (read from its header alone,
+    :func:`train.checkpoint_io.checkpoint_entry`), then by modification time: a run folder copied without
+    keeping times (``cp -r``, ``rsync`` without ``-t``) gives its files arbitrary times, and resuming from the
+    older one would repeat steps.  When a file's header cannot be read, modification time alone decides, and
+    the load names the unreadable file."""
+    from train.checkpoint_io import checkpoint_entry
+
     run_dir = Path(run_dir)
     found = [p for p in [run_dir / "checkpoints" / LAST, *run_dir.glob("hpc_ckpt_*.ckpt")] if p.is_file()]
-    return max(found, key=lambda p: (p.stat().st_mtime, p.name)) if found else None
+    if not found:
+        return None
+    try:
+        steps = {p: checkpoint_entry(p, "global_step") for p in found}
+    except (OSError, ValueError):
+        steps = {}
+    if len(steps) != len(found) or not all(isinstance(s, int) for s in steps.values()):
+        return max(found, key=lambda p: (p.stat().st_mtime, p.name))
+    return max(found, key=lambda p: (steps[p], p.stat().st_mtime, p.name))
 
 
 def run_dir_of(checkpoint: Path) -> Path | None:
