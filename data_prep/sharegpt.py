@@ -23,7 +23,8 @@ Normalisation rules (issues 15, 28): every change to a kept record is counted un
 * an OpenAI content list of text parts is joined into one string (``text_parts_joined``);
 * turns keyed ``role``/``content`` under ``conversations`` (SpecForge's layout), or ``from``/``value`` under
   ``messages``, are read (``turn_keys_role_content``, ``turn_keys_from_value``); a turn list stored as a JSON
-  string (a CSV column) is parsed (``json_string_parsed``), and one stored as one list per key (a ``datasets``
+  string (a CSV column) is parsed (``json_string_parsed``), one written as a Python literal (pandas' ``to_csv`` of
+  a list column) is parsed as a literal, never run (``python_repr_parsed``), and one stored as one list per key (a ``datasets``
   ``Sequence`` of turn dicts) is read by row (``columnar_turns_read``);
 * a record's top-level ``system`` string (LLaMA-Factory's sharegpt layout) becomes its system turn
   (``system_field_used``), unless it has one already (``system_field_ignored`` when they differ);
@@ -58,6 +59,7 @@ Templating adds its own (:mod:`data_prep.front`): ``split_by_template`` and ``tu
 """
 from __future__ import annotations
 
+import ast
 import bz2
 import codecs
 import contextlib
@@ -559,22 +561,28 @@ def unsupported_field(record: dict, turns: list) -> str | None:
                  for k in UNSUPPORTED_TURN_KEYS if filled(turn.get(k))), None)
 
 
-def turn_list(value: Any) -> tuple[Any, bool]:
-    """A record's turn list: ``(value, False)``, or ``(the list, True)`` when it is a JSON string (a CSV cell, any
-    string column) that parses to a list, or a dict of equal-length lists (a ``datasets`` column declared
+def turn_list(value: Any) -> tuple[Any, str | None]:
+    """A record's turn list and how it was read: ``(value, None)`` as it is; ``(the list, "json_string_parsed")``
+    for a JSON string (a CSV cell, any string column) that parses to a list; ``(the list, "python_repr_parsed")``
+    for a Python literal of one (pandas' ``to_csv`` of a list column writes ``[{'from': 'human', ...}]``; read
+    with :func:`ast.literal_eval`, which evaluates literals only, never code); ``(the rows,
+    "columnar_turns_read")`` for a dict of equal-length lists (a ``datasets`` column declared
     ``Sequence({"from": ..., "value": ...})``, which ``datasets`` returns as one list per key)."""
     if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()) \
             and len({len(v) for v in value.values()}) == 1:
         keys = list(value)
-        return [dict(zip(keys, row)) for row in zip(*value.values())], True
+        return [dict(zip(keys, row)) for row in zip(*value.values())], "columnar_turns_read"
     if isinstance(value, str) and value.lstrip().startswith("["):
         try:
-            parsed = json.loads(value)
+            parsed, how = json.loads(value), "json_string_parsed"
         except json.JSONDecodeError:
-            return value, False
+            try:
+                parsed, how = ast.literal_eval(value.strip()), "python_repr_parsed"
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                return value, None
         if isinstance(parsed, list):
-            return parsed, True
-    return value, False
+            return parsed, how
+    return value, None
 
 
 def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None = None,
@@ -604,11 +612,13 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         fmt = "messages" if listed("messages") and not listed("conversations") else "sharegpt"
     list_key, role_key, text_key = keys[fmt]
     fixes: dict[str, str] = {}  # rule -> message (one count per record and rule)
-    turns, parsed = read.get(list_key, (None, False))
-    if parsed and isinstance(raw[list_key], str):
-        fixes["json_string_parsed"] = f"the {list_key!r} column is a JSON string: parsed"
-    elif parsed:
-        fixes["columnar_turns_read"] = f"the {list_key!r} column is one list per key (datasets' Sequence): read by row"
+    turns, how = read.get(list_key, (None, None))
+    if how is not None:
+        fixes[how] = {"json_string_parsed": f"the {list_key!r} column is a JSON string: parsed",
+                      "python_repr_parsed": f"the {list_key!r} column is a Python literal (pandas' to_csv of a list): "
+                                            "parsed as one",
+                      "columnar_turns_read": f"the {list_key!r} column is one list per key (datasets' Sequence): "
+                                             "read by row"}[how]
     if not isinstance(turns, list):
         return Drop("missing_conversations", f"no {list_key!r} list in the record")
     if where := unsupported_field(record, turns):

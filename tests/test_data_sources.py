@@ -349,3 +349,19 @@ def test_a_cut_or_unreadable_compressed_file(tmp_path):
     bad.write_bytes(packed[:12] + b"\xff" * 12 + packed[24:])
     with pytest.raises(UserInputError, match=r"bad\.jsonl\.gz: cannot be read past line 1 .*corrupt"):
         read_split(_data_cfg(f"data.path={bad}"))
+
+
+def test_pandas_to_csv_of_a_list_column_is_read_as_its_literal(tmp_path):
+    """``DataFrame.to_csv`` writes a list-of-dicts column as Python's repr (``[{'from': 'human', ...}]``), not JSON:
+    every record was dropped as ``missing_conversations`` ("no 'conversations' list").  It is now parsed with
+    ``ast.literal_eval`` (literals only: a cell holding code stays text and is dropped as before)."""
+    import pandas as pd
+
+    turns = [{"from": "human", "value": "It's \"quoted\", isn't it?"}, {"from": "gpt", "value": "Yes: None, True."}]
+    code = "[__import__('os').getcwd()]"  # a cell that is code, not a literal
+    pd.DataFrame({"id": ["p0", "p1"], "conversations": [turns, code]}).to_csv(tmp_path / "chats.csv", index=False)
+    data = read_split(_data_cfg(f"data.path={tmp_path / 'chats.csv'}"))
+    assert [c.messages for c in data.train + data.val] == [[{"role": "user", "content": "It's \"quoted\", isn't it?"},
+                                                            {"role": "assistant", "content": "Yes: None, True."}]]
+    assert data.stats.fixed["python_repr_parsed"] == 1
+    assert dict(data.stats.dropped) == {"missing_conversations": 1}
