@@ -189,7 +189,7 @@ def _tree_checks(cfg: DictConfig) -> None:
     if grid is None or len(grid) == 0:
         raise ConfigError("eval.tree_grid is empty: give the node counts (root included) to measure and search, "
                           "e.g. [1, 2, 4, 8, 16, 32, 64]")
-    if any(not isinstance(n, int) or n < 1 for n in grid):
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in grid):  # YAML's true is no node count
         raise ConfigError(f"eval.tree_grid={list(grid)}: node counts must be integers >= 1 (root included)")
     from decoding.tree_search import TREE_OBJECTIVES
 

@@ -70,6 +70,12 @@ def check_falcon_config(c: dict[str, Any]) -> None:
         bad("num_layers", f"must be an int >= 1, got {c['num_layers']!r}")
     if c["fuse"] not in FUSE_TYPES:
         bad("fuse", f"{c['fuse']!r}; choices: {', '.join(FUSE_TYPES)}")
+    if c["fuse"] == "lstm":  # checked with the config, not by nn.LSTM once the base has loaded
+        layers, dropout = c["lstm_layers"], c["lstm_dropout"]
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            bad("lstm_layers", f"must be an int >= 1 with fuse=lstm, got {layers!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            bad("lstm_dropout", f"must lie in [0, 1) with fuse=lstm, got {dropout!r}")
     if c["noise"]["type"] not in NOISE_TYPES:
         bad("noise.type", f"{c['noise']['type']!r}; choices: {', '.join(NOISE_TYPES)}")
     if not 0.0 <= float(c["loss"]["alpha"]) <= 1.0:

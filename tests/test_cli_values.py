@@ -128,3 +128,16 @@ def test_output_root_null_is_refused():
     """``output_root=null`` passed compose and every stage died on ``Path(None)`` (a TypeError traceback)."""
     with pytest.raises(ConfigError, match=r"^output_root=None must be a folder path"):
         compose(["output_root=null"])
+
+
+@pytest.mark.parametrize("args,said", [
+    (["heads=falcon", "heads.fuse=lstm", "heads.lstm_layers=0"], r"heads\.lstm_layers: must be an int >= 1 with fuse=lstm"),
+    (["heads=falcon", "heads.fuse=lstm", "heads.lstm_dropout=1.5"], r"heads\.lstm_dropout: must lie in \[0, 1\)"),
+    (["eval.tree_grid=[true, 4]"], r"eval\.tree_grid=\[True, 4\]: node counts must be integers >= 1"),
+])
+def test_values_refused_only_after_the_base_loaded_are_refused_at_compose(args, said):
+    """nn.LSTM refused these only when the head was built, after the base had loaded; YAML's ``true`` (a bool, an
+    int to Python) was taken as a tree of one node."""
+    with pytest.raises(ConfigError, match=said):
+        compose(args)
+    assert compose(["heads=falcon", "heads.lstm_layers=0"]).heads.lstm_layers == 0  # unused with fuse=linear
