@@ -25,7 +25,9 @@ Normalisation rules (issues 15, 28): every change to a kept record is counted un
   ``messages``, are read (``turn_keys_role_content``, ``turn_keys_from_value``); a turn list stored as a JSON
   string (a CSV column) is parsed (``json_string_parsed``), one written as a Python literal (pandas' ``to_csv`` of
   a list column) is parsed as a literal, never run (``python_repr_parsed``), and one stored as one list per key (a ``datasets``
-  ``Sequence`` of turn dicts) is read by row (``columnar_turns_read``);
+  ``Sequence`` of turn dicts) is read by row (``columnar_turns_read``); a record whose turns are under
+  ``conversation`` (lmsys-chat-1m) and under neither ``conversations`` nor ``messages`` is read from there
+  (``conversation_key_read``);
 * a record's top-level ``system`` string (LLaMA-Factory's sharegpt layout) becomes its system turn
   (``system_field_used``), unless it has one already (``system_field_ignored`` when they differ);
 * an empty (or whitespace-only) system turn is no system prompt, as an empty ``system`` field is: the turn is
@@ -280,7 +282,7 @@ def _utf8_len(text: str) -> int:
 def _is_record_shaped(obj: Any) -> bool:
     """A dict holding a turn list: what the reader resynchronises on (an ``id`` alone is not enough: OpenAI and
     OASST exports give every message one, and a cut record's messages must not pass for records)."""
-    return isinstance(obj, dict) and ("conversations" in obj or "messages" in obj)
+    return isinstance(obj, dict) and any(k in obj for k in ("conversations", "messages", "conversation"))
 
 
 _REPLACED = [0]  # bytes replaced by the "draftheads-count" codec error handler (single-threaded reader)
@@ -602,16 +604,21 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         is one of :data:`BAD_REASONS` and whose ``message`` says what was wrong.
     """
     keys = {"sharegpt": ("conversations", "from", "value"), "messages": ("messages", "role", "content")}
-    raw = {k: record.get(k) for k in ("conversations", "messages")} if isinstance(record, dict) else {}
+    raw = {k: record.get(k) for k in ("conversations", "messages", "conversation")} if isinstance(record, dict) else {}
     read = {k: turn_list(v) for k, v in raw.items()}  # each candidate turn list, parsed once
-    if fmt == "auto":
-        def listed(key):  # a list (parsed or read by row), or what looks like a JSON list kept as a string
-            v = raw.get(key)
-            return isinstance(read.get(key, (None,))[0], list) or isinstance(v, str) and v.lstrip().startswith("[")
 
+    def listed(key):  # a list (parsed or read by row), or what looks like a JSON list kept as a string
+        v = raw.get(key)
+        return isinstance(read.get(key, (None,))[0], list) or isinstance(v, str) and v.lstrip().startswith("[")
+
+    if fmt == "auto":
         fmt = "messages" if listed("messages") and not listed("conversations") else "sharegpt"
     list_key, role_key, text_key = keys[fmt]
     fixes: dict[str, str] = {}  # rule -> message (one count per record and rule)
+    if not listed(list_key) and not listed(keys["messages" if fmt == "sharegpt" else "sharegpt"][0]) \
+            and listed("conversation"):  # lmsys-chat-1m: {"conversation": [{"role", "content"}]}
+        list_key, role_key, text_key = "conversation", "role", "content"
+        fixes["conversation_key_read"] = "the turns are under 'conversation' (lmsys-chat-1m's key): read"
     turns, how = read.get(list_key, (None, None))
     if how is not None:
         fixes[how] = {"json_string_parsed": f"the {list_key!r} column is a JSON string: parsed",

@@ -20,9 +20,10 @@ from data_prep.template import special_token_texts
 
 #: prompt fields, in the order they are looked for: a chat list before a single prompt string, as data prep reads a
 #: record holding both (HuggingFaceH4/no_robots and ultrachat_200k keep ``prompt`` beside the whole ``messages``)
-AUTO_FIELDS = ("turns", "conversations", "messages", "prompt", "instruction", "question", "text")
+AUTO_FIELDS = ("turns", "conversations", "messages", "conversation", "prompt", "instruction", "question", "text")
 #: chat-list fields: a list of turns, or that list kept as a JSON string (a CSV column), as data prep reads them
-CHAT_FIELDS = ("conversations", "messages")
+#: (``conversation``: lmsys-chat-1m's)
+CHAT_FIELDS = ("conversations", "messages", "conversation")
 ID_FIELDS = ("question_id", "id", "prompt_id", "conversation_id")
 
 

@@ -397,3 +397,31 @@ def test_evaluation_prompts_read_the_developer_role(tmp_path):
                                                      {"role": "user", "content": "Hi"}]}) + "\n")
     assert read_jsonl_records(f)[0]["messages"] == [{"role": "system", "content": "Be brief."},
                                                     {"role": "user", "content": "Hi"}]
+
+
+def test_lmsys_chat_1m_conversation_key_is_read():
+    """lmsys-chat-1m keeps its turns under ``conversation`` ({role, content}): every record was dropped as
+    ``missing_conversations``.  Read from there when neither ``conversations`` nor ``messages`` holds a list, in
+    data prep and evaluation prompts alike."""
+    rec = {"conversation_id": "c1", "model": "vicuna-13b", "turn": 1, "language": "English",
+           "conversation": [{"content": "Hi", "role": "user"}, {"content": "Hello!", "role": "assistant"}]}
+    fixed = Counter()
+    conv = normalize(rec, 0, fixed=fixed)
+    assert conv.id == "c1" and conv.messages == [{"role": "user", "content": "Hi"},
+                                                  {"role": "assistant", "content": "Hello!"}]
+    assert fixed == Counter({"conversation_key_read": 1})
+    both = normalize({**rec, "messages": [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]}, 0)
+    assert both.messages[0]["content"] == "A"  # a record's own messages come first
+    assert normalize({"id": "x", "conversation": "not turns"}, 0) == "missing_conversations"
+
+
+def test_evaluation_prompts_read_the_conversation_key(tmp_path):
+    from evaluation.prompts import read_jsonl_records
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"conversation_id": "c1", "conversation": [
+        {"content": "Hi", "role": "user"}, {"content": "Hello!", "role": "assistant"},
+        {"content": "More?", "role": "user"}]}) + "\n")
+    got = read_jsonl_records(f)[0]
+    assert got["id"] == "c1" and got["messages"] == [{"role": "user", "content": "Hi"}]
+    assert got["follow_ups"] == ("More?",)
