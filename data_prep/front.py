@@ -154,14 +154,15 @@ def template_conversations(tokenizer, convs: Iterable[Conversation], eos_ids: It
                            stats: ReadStats) -> Iterator[TemplatedConversation]:
     """Template conversations (:func:`data_prep.template.segment_records`); skipped records are counted in
     ``stats`` by reason with the first id and message, and never raise.  A kept conversation that
-    lost turns counts one ``turns_dropped_<reason>`` per turn, one split into several records counts
-    ``split_by_template`` (``stats.fixed``, first id in ``stats.fix_examples``)."""
+    lost turns counts one ``turns_dropped_<reason>`` per turn, a turn rendered otherwise than by the template
+    one ``turns_closed_with_eos`` or ``turns_rendered_from_data`` (:func:`data_prep.template._turn_view`), one
+    split into several records counts ``split_by_template`` (``stats.fixed``, first id in ``stats.fix_examples``)."""
     eos = set(eos_ids)
     emitted: set[str] = set()  # record ids yielded: a split record's ``<id>#<k>`` may be another conversation's id
     for conv in convs:
         dropped: list[TemplateError] = []
         past: list[int] = []
-        notes: list[tuple[int, str]] = []
+        notes: list[tuple[int, str, str]] = []
         try:
             records = segment_records(tokenizer, conv.messages, conv.id, eos, max_length, dropped_turns=dropped,
                                       past_max_length=past, notes=notes)
@@ -177,8 +178,8 @@ def template_conversations(tokenizer, convs: Iterable[Conversation], eos_ids: It
         emitted.update(ids)
         for exc in dropped:  # the conversation is kept without the turns no rendering can give
             stats.fix(f"turns_dropped_{exc.reason}", conv.id, str(exc))
-        for i, note in notes:  # kept, but ended otherwise than the template ends them
-            stats.fix("turns_closed_with_eos", conv.id, f"assistant turn {i}: {note}")
+        for i, rule, note in notes:  # kept, but rendered otherwise than the template renders them
+            stats.fix(rule, conv.id, f"assistant turn {i}: {note}")
         if len(records) > 1:
             stats.fix("split_by_template", conv.id, f"{len(records)} records: the template rewrites earlier turns")
         for k, segs in enumerate(records):

@@ -10,7 +10,8 @@ token.  Every turn is rendered on its own (:func:`_turn_view`), for any template
   ``render(messages[:i+1])`` (Qwen3-style templates write an empty ``<think>\n\n</think>\n\n``
   block there: the base writes it after the generation prompt, so it is in the loss), up to and
   including the first end-of-turn token (an eos id) after the reply text; a template whose
-  rendering does not continue its own generation prompt gets the prompt + the reply text + an
+  rendering does not continue its own generation prompt, or leaves out part of the reply's text
+  (DeepSeek-R1 strips the reasoning block from every reply), gets the prompt + the reply text + an
   end-of-turn token instead.  Token positions come from the fast tokenizer's offsets (a slow
   tokenizer needs the reply on token boundaries);
 * *footer*: what follows in the rendering (e.g. ``\n``).
@@ -168,6 +169,13 @@ def _reply_view(tokenizer, text: str, gen_ids: list[int], gen_len: int, reply: s
     return ids, end
 
 
+def _keeps_reply(text: str, gen_len: int, reply: str) -> bool:
+    """Whether ``text`` (a rendering of the reply after the generation prompt ``text[:gen_len]``) holds the
+    reply's text whole, whitespace aside (templates trim replies or reformat a think block's newlines); a template
+    that strips a reasoning block from every reply, the last included (DeepSeek-R1's), does not."""
+    return "".join(reply.split()) in "".join(text[gen_len:].split())
+
+
 def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str, eos_ids: set[int],
                specials: Sequence[str] = ()) -> tuple[list[int], int, int, str | None]:
     """Assistant turn ``i`` as inference sees it: ``(ids, prompt_len, body_end, note)``.
@@ -179,10 +187,13 @@ def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str
     as the last message (``render(messages[:i+1])``, so a template's formatting of the reply, e.g.
     Qwen3's think block, is kept) when that rendering continues the generation prompt; else the
     prompt followed by the reply text and an end-of-turn token (templates whose generation prompt
-    differs from how they render a past reply).  ``note`` is None, or says why the template's own
-    rendering, which does continue the prompt, was not used: it ends the reply with no end-of-turn id
-    of the base (a ``generation_config.json`` that lacks the template's end-of-turn token), so the reply
-    is closed with the eos token instead (counted by the caller, never silent).
+    differs from how they render a past reply, or whose rendering leaves out part of the reply's text).
+    ``note`` is None, or ``(rule, message)`` saying why the template's own rendering, which does continue
+    the prompt, was not used (counted by the caller under ``rule``, never silent): ``turns_closed_with_eos``,
+    it ends the reply with no end-of-turn id of the base (a ``generation_config.json`` that lacks the
+    template's end-of-turn token), so the reply is closed with the eos token instead;
+    ``turns_rendered_from_data``, it leaves out part of the reply's text (DeepSeek-R1's template strips
+    the reasoning block from every reply, the last one included, while the base writes it).
 
     Raises:
         TemplateError: ``special_token_text`` (the turn or its context holds a special token's text),
@@ -197,18 +208,26 @@ def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str
     gen_ids = list(_encode(tokenizer, gen_text)["input_ids"])
     full_text = _render_text(tokenizer, messages[: i + 1], conversation_id)
     reply = messages[i]["content"].strip()
-    candidates = [full_text] if full_text.startswith(gen_text) else []
     eos_text = _eos_text(tokenizer, eos_ids)
+    own = full_text.startswith(gen_text)
+    note = None
+    if own and not _keeps_reply(full_text, len(gen_text), reply):
+        own = False  # the template's rendering leaves out part of the reply: what the base writes is the data's reply
+        note = ("turns_rendered_from_data",
+                "the template's rendering of the reply leaves out part of its text (e.g. a reasoning block it strips "
+                f"from every reply), so the reply as the data has it follows the generation prompt, closed with "
+                f"{eos_text!r}")
+    candidates = [full_text] if own else []
     if eos_text is not None:
         candidates.append(gen_text + messages[i]["content"] + eos_text)
-    note = None
     for k, text in enumerate(candidates):
         view = _reply_view(tokenizer, text, gen_ids, len(gen_text), reply, eos_ids)
         if view is not None:
             ids, end = view
             return ids, len(gen_ids), end, note
-        if k == 0 and full_text.startswith(gen_text):
-            note = (f"the template ends the reply with no end-of-turn id of the base (eos ids {sorted(eos_ids)}); "
+        if k == 0 and own:
+            note = ("turns_closed_with_eos",
+                    f"the template ends the reply with no end-of-turn id of the base (eos ids {sorted(eos_ids)}); "
                     f"closed with {eos_text!r} instead: if the template's own end-of-turn token ends the base's "
                     "replies, add it to the model folder's generation_config.json eos_token_id")
     raise TemplateError(f"{where}: neither the template's rendering of the turn nor the generation prompt followed by "
@@ -238,7 +257,7 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
             Without it such a turn raises (nothing is dropped uncounted).
         past_max_length: optional list; receives the message index of each assistant turn not templated
             because an earlier turn's rendering reached ``max_length`` (counted, not silently gone).
-        notes: optional list; receives ``(message index, note)`` for each turn templated otherwise than
+        notes: optional list; receives ``(message index, rule, note)`` for each turn templated otherwise than
             by the template's own rendering of it (:func:`_turn_view`).
 
     Returns:
@@ -269,7 +288,7 @@ def segment_records(tokenizer, messages: Sequence[dict], conversation_id: str, e
             _past(messages, i, past_max_length)
             break
         if note is not None and notes is not None:
-            notes.append((i, note))
+            notes.append((i, *note))
         if cur is not None and ids[: len(cur)] == cur:
             records[-1].append(Segment("assistant", ids[len(cur):], header=prompt_len - len(cur), body=end - prompt_len,
                                        turn=i))

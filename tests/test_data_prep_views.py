@@ -209,3 +209,34 @@ def test_a_template_that_reads_the_clock_renders_the_same_on_every_day(monkeypat
         assert "Today Date: 26 Jul 2024" in tok.decode(first.input_ids.tolist())
         assert views[0][1] == first.input_ids.tolist()  # data prep's context is the evaluation's prompt
     assert renders[0] == renders[1]
+
+
+# DeepSeek-R1 (January 2025): every reply, the last one included, is rendered without its reasoning block, and the
+# generation prompt opens no think block; the base writes the reasoning after the prompt all the same
+# (huggingface/trl#6766: R1's template "splits on </think>", dropping the reasoning from the training target).
+STRIP_REASONING_EVERYWHERE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% set c = m.content.split('</think>')[-1] %}"
+    "{{ '<|im_start|>assistant\\n' + c + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_strips_the_replys_reasoning_trains_the_reply_the_base_writes():
+    """The template's rendering of the last reply continued the generation prompt with the answer alone: the
+    reasoning the base writes first was silently left out of the loss span (the drafter trained to answer
+    straight after the prompt).  The reply is now the data's, reasoning included, and counted."""
+    tok = _tok(STRIP_REASONING_EVERYWHERE)
+    msgs = _messages(CONVERSATIONS["reasoning"])
+    stats = ReadStats()
+    (i1, ctx1, body1), (i3, ctx3, body3) = _views(tok, msgs, stats)
+    assert ctx1 == _gen_ids(tok, msgs[:1]) and ctx3 == _gen_ids(tok, msgs[:3])
+    assert tok.decode(body1) == "<think>\ngreet back\n</think>\n\nHello.<|im_end|>"
+    assert tok.decode(body3) == "<think>\nadd them\n</think>\n\nIt is 6.<|im_end|>"
+    assert "greet back" not in tok.decode(ctx3)  # the history stays as the template renders it
+    assert stats.fixed["turns_rendered_from_data"] == 2 and not stats.dropped  # one per turn
+    assert "leaves out part of its text" in stats.fix_examples["turns_rendered_from_data"]["message"]
+    # a reply the template keeps whole (whitespace aside) is still the template's own rendering
+    plain = ReadStats()
+    _views(tok, _messages(CONVERSATIONS["three_turns"]), plain)
+    assert "turns_rendered_from_data" not in plain.fixed
