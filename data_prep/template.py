@@ -176,6 +176,25 @@ def _keeps_reply(text: str, gen_len: int, reply: str) -> bool:
     return "".join(reply.split()) in "".join(text[gen_len:].split())
 
 
+def _after_opening(gen_text: str, past_text: str, content: str) -> str:
+    """``content`` without the opening the generation prompt already wrote: a prompt that opens the reply
+    (DeepSeek-R1-Distill's ``<｜Assistant｜><think>\\n``) is followed by the rest of a reply that starts with
+    that opening, not by the whole reply, which would repeat it.  The opening is the longest tail of the
+    prompt's own text (``gen_text`` past ``past_text``, the rendering of the messages before the turn) that
+    starts after whitespace and, trailing whitespace aside, begins the reply; ``content`` unchanged when none does."""
+    if not gen_text.startswith(past_text):
+        return content
+    head, text = gen_text[len(past_text):], content.lstrip()
+    for k in range(len(head)):
+        if k and not head[k - 1].isspace():
+            continue
+        tail = head[k:].rstrip()
+        if tail and text.startswith(tail):
+            rest = text[len(tail):]
+            return rest.lstrip() if len(tail) < len(head) - k else rest  # the prompt holds the whitespace after it
+    return content
+
+
 def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str, eos_ids: set[int],
                specials: Sequence[str] = ()) -> tuple[list[int], int, int, str | None]:
     """Assistant turn ``i`` as inference sees it: ``(ids, prompt_len, body_end, note)``.
@@ -193,7 +212,9 @@ def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str
     it ends the reply with no end-of-turn id of the base (a ``generation_config.json`` that lacks the
     template's end-of-turn token), so the reply is closed with the eos token instead;
     ``turns_rendered_from_data``, it leaves out part of the reply's text (DeepSeek-R1's template strips
-    the reasoning block from every reply, the last one included, while the base writes it).
+    the reasoning block from every reply, the last one included, while the base writes it).  Where the prompt
+    itself opens the reply (DeepSeek-R1-Distill's ``<think>\\n``), the data's reply follows it without that
+    opening (:func:`_after_opening`; ``turns_opening_in_prompt``).
 
     Raises:
         TemplateError: ``special_token_text`` (the turn or its context holds a special token's text),
@@ -219,7 +240,14 @@ def _turn_view(tokenizer, messages: Sequence[dict], i: int, conversation_id: str
                 f"{eos_text!r}")
     candidates = [full_text] if own else []
     if eos_text is not None:
-        candidates.append(gen_text + messages[i]["content"] + eos_text)
+        content = messages[i]["content"]
+        if not own:  # a prompt that opens the reply (a think block) is followed by the rest of it, not all of it
+            content = _after_opening(gen_text, _render_text(tokenizer, messages[:i], conversation_id), content)
+            if content != messages[i]["content"] and note is None:
+                note = ("turns_opening_in_prompt", "the generation prompt opens the reply with what the data's reply "
+                        f"starts with ({messages[i]['content'][:len(messages[i]['content']) - len(content)].strip()!r}); "
+                        "the reply follows the prompt without it")
+        candidates.append(gen_text + content + eos_text)
     for k, text in enumerate(candidates):
         view = _reply_view(tokenizer, text, gen_ids, len(gen_text), reply, eos_ids)
         if view is not None:

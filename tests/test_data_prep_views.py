@@ -240,3 +240,26 @@ def test_a_template_that_strips_the_replys_reasoning_trains_the_reply_the_base_w
     plain = ReadStats()
     _views(tok, _messages(CONVERSATIONS["three_turns"]), plain)
     assert "turns_rendered_from_data" not in plain.fixed
+
+
+def test_a_generation_prompt_that_opens_the_think_block_is_not_repeated_by_the_reply():
+    """DeepSeek-R1-Distill's generation prompt ends with ``<think>\\n``; a reply whose data starts with its own
+    ``<think>`` followed that prompt whole, so the cache held ``<think>\\n<think>\\n...`` and trained the drafter to
+    open a second think block the base never writes.  The reply now follows the prompt without the opening."""
+    tok = _tok(DEEPSEEK_R1_LIKE)
+    msgs = _messages(CONVERSATIONS["reasoning"])
+    stats = ReadStats()
+    (i1, ctx1, body1), (i3, ctx3, body3) = _views(tok, msgs, stats)
+    assert ctx1 == _gen_ids(tok, msgs[:1]) and tok.decode(ctx1).endswith("<|im_start|>assistant\n<think>\n")
+    assert tok.decode(body1) == "greet back\n</think>\n\nHello.<|im_end|>"
+    assert ctx3 == _gen_ids(tok, msgs[:3]) and tok.decode(body3) == "add them\n</think>\n\nIt is 6.<|im_end|>"
+    assert stats.fixed["turns_opening_in_prompt"] == 2 and not stats.dropped
+    assert "'<think>'" in stats.fix_examples["turns_opening_in_prompt"]["message"]
+    # the opening is matched whitespace aside; a reply without it, or one that merely starts with the prompt's
+    # last word, is kept whole
+    tok_plain = _tok(CHATML_TEMPLATE)
+    for t, reply, body in ((tok, "<think>greet</think>Hello.", "greet</think>Hello.<|im_end|>"),
+                           (tok, "Hello.", "Hello.<|im_end|>"),
+                           (tok_plain, "assistant here", "assistant here<|im_end|>")):
+        [(_, _, got)] = _views(t, _messages([(U, "Hi"), (A, reply)]))
+        assert t.decode(got) == body
