@@ -255,6 +255,11 @@ def write_manifest(directory: Path, num_shards: int, header: dict[str, Any]) -> 
     """Assemble ``manifest.json`` from the sidecars once all ``num_shards`` exist; else ``None``.
 
     Several ranks may call this; they all write the same bytes (atomic rename).
+
+    Raises:
+        core.config.UserInputError: a sidecar was written under another config hash than the header's:
+            another data prep with other settings wrote into the same folder meanwhile (both passed the
+            start's checks before either wrote); no manifest is written.
     """
     entries = []
     for k in range(num_shards):
@@ -262,7 +267,14 @@ def write_manifest(directory: Path, num_shards: int, header: dict[str, Any]) -> 
         if not side.is_file():
             return None
         entry = json.loads(side.read_text())
-        entry.pop("config_hash", None)
+        theirs, ours = entry.pop("config_hash", None), header.get("config_hash")
+        if theirs is not None and ours is not None and theirs != ours:
+            from core.config import UserInputError
+
+            raise UserInputError(f"{side} was written under config hash {theirs!r}, not this run's {ours!r}: another "
+                                 f"data prep with other settings writes into {directory.parent} (prep.cache_dir) at "
+                                 "the same time; no manifest was written. Let one of them finish, then delete the "
+                                 "folder's shards and run the other into its own prep.cache_dir")
         entries.append(entry)
     dropped: dict[str, int] = {}
     for e in entries:

@@ -646,3 +646,30 @@ def test_length_budget_counts_what_data_prep_would_cut(tiny_base, tiny_model_dir
     printed = capsys.readouterr().out
     assert "| data.max_length | conversations cut | replies not whole | templated tokens kept |" in printed
     assert f"| 72 | {summary['tf_cut_conversations']:,} / {summary['tf_conversations']:,} (" in printed
+
+
+def test_two_data_preps_of_other_settings_writing_into_one_folder_never_mix_in_a_manifest(
+        tiny_base, tiny_model_dir, data_file, tmp_path, monkeypatch):
+    """Two runs started into one prep.cache_dir at once both pass the start's settings check (neither has written
+    config.yaml yet); a shard the other run rewrote meanwhile went into this run's manifest under this run's
+    config hash and base, silently.  The manifest is refused instead, naming the sidecar."""
+    import shutil
+
+    other = tmp_path / "other"
+    pipeline.prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={other}", "data.heldout_fraction=0.5"),
+                     *tiny_base, out=None)
+    cache = tmp_path / "cache"
+    real = cache_mod.write_shard
+
+    def and_the_other_run_too(directory, index, *args, **kwargs):
+        entry = real(directory, index, *args, **kwargs)
+        if directory.name == "train" and index == 0:  # the other run rewrites shard 0 right after this one
+            for ext in (".safetensors", ".json"):
+                shutil.copy(other / "train" / f"shard-00000{ext}", directory / f"shard-00000{ext}")
+        return entry
+
+    monkeypatch.setattr(cache_mod, "write_shard", and_the_other_run_too)
+    with pytest.raises(UserInputError, match=r"shard-00000.json was written under config hash '[0-9a-f]+', not this "
+                                             r"run's .*another data prep with other settings writes into"):
+        pipeline.prepare(_cfg(tiny_model_dir, data_file, tmp_path, f"prep.cache_dir={cache}"), *tiny_base, out=None)
+    assert not (cache / "train" / "manifest.json").exists()
