@@ -267,6 +267,9 @@ def readable_model_input(source: str, what: str, where: str):
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         hint = ("; a base folder needs its tokenizer files (tokenizer.json, or tokenizer.model with sentencepiece) "
                 "beside config.json" if what == "its tokenizer" else "")
+        if "trust_remote_code" in str(exc):  # transformers names the argument on a later line than the first
+            hint += ("; the folder's model is defined by Python code in it: set model.trust_remote_code=true if you "
+                     "trust that code")
         raise UserInputError(f"model.path={source!r}: {what} could not be read from {where} "
                              f"({type(exc).__name__}: {first}){hint}") from exc
 

@@ -116,3 +116,24 @@ def test_a_damaged_model_input_is_one_line_and_writes_nothing(tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and re.search(rf"^error: model.path={re.escape(repr(str(path)))}: {said}", err[-1]), err
     assert "Traceback" not in "\n".join(err) and not (out / "cache").exists()
+
+
+def test_a_base_defined_by_its_own_code_names_model_trust_remote_code(tmp_path):
+    """A folder whose config.json maps to code in the folder (auto_map) and model.trust_remote_code unset: the error
+    kept only transformers' first line ("contains custom code which must be executed"), which names no setting;
+    it now names model.trust_remote_code."""
+    import json
+
+    from core.base_model import load_base_config, load_tokenizer
+    from core.config import UserInputError
+    from core.tiny import save_tiny_model
+
+    d = save_tiny_model(tmp_path / "custom", seed=0)
+    config = json.loads((d / "config.json").read_text())
+    config.update(model_type="draftheads_custom", auto_map={"AutoConfig": "configuration_custom.CustomConfig"})
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "configuration_custom.py").write_text("from transformers import LlamaConfig\n\n\nclass CustomConfig(LlamaConfig):\n"
+                                               "    model_type = 'draftheads_custom'\n")
+    for load in (load_base_config, load_tokenizer):
+        with pytest.raises(UserInputError, match=r"contains custom code.*set model.trust_remote_code=true"):
+            load({"path": str(d)})
