@@ -170,7 +170,12 @@ def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename)."""
+    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename).
+
+    Raises:
+        OSError: the write failed (a full disk, a denied folder); its message names ``path`` and how many bytes
+            were being written, and ``path`` keeps its earlier contents.
+    """
     path = Path(path)
     tmp = _tmp_path(path)
     try:
@@ -179,6 +184,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # "[Errno 28] No space left on device" alone names no file
+        if exc.filename is None:
+            raise type(exc)(exc.errno, f"{exc.strerror or exc} while writing {path} ({len(data):,} bytes)",
+                            str(path)) from exc
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -191,3 +191,22 @@ def test_replace_dir_swaps_whole_folders_and_names_an_interrupted_swap(tmp_path,
     assert not target.exists() and left is not None and (left / "a").read_text() == "new"
     with pytest.raises(FileNotFoundError, match=r"holds its previous contents, whole.*rename it back to best"):
         check_checkpoint_dir(target)
+
+
+def test_a_full_disk_names_the_file_being_written(tmp_path, monkeypatch):
+    """A full disk during an atomic write (a cache shard, a checkpoint) read "[Errno 28] No space left on device",
+    naming no file; the file it was replacing keeps its contents and no temporary file is left."""
+    import errno
+
+    import core.io as io
+
+    target = tmp_path / "shard-00000.safetensors"
+    target.write_bytes(b"before")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(io.os, "fsync", full)
+    with pytest.raises(OSError, match=r"No space left on device while writing .*shard-00000.safetensors \(5 bytes\)") as e:
+        io.atomic_write_bytes(target, b"after")
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(target)
+    assert target.read_bytes() == b"before" and [p.name for p in tmp_path.iterdir()] == [target.name]
