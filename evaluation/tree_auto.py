@@ -96,27 +96,37 @@ def _heldout_prompts(data_cfg) -> tuple:
     return _heldout_scan(json.dumps(data, sort_keys=True, default=str), files)
 
 
-def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:
+def calibration_prompts(cfg, tokenizer, eval_prompts, count: int, model=None) -> list:
     """Held-out ShareGPT first turns for calibration, the last ``count`` usable ones of the split,
     excluding every evaluation prompt.
 
     Args:
-        cfg: the composed config (``data`` section; ``eval.max_prompt_tokens``).
+        cfg: the composed config (``data`` section; ``eval.max_prompt_tokens``; the calibration's
+            ``eval.calibration_max_new_tokens`` or ``eval.max_new_tokens``).
         tokenizer: the base tokenizer.
         eval_prompts: the evaluation's :class:`evaluation.prompts.Prompt` list (excluded by id and
             by templated token ids).
         count: how many to take.
+        model: the base (or its config): a prompt whose tokens + the calibration's max_new_tokens
+            exceed its ``max_position_embeddings`` cannot be decoded and is skipped too.
 
     Raises:
-        CalibrationError: none is usable (all excluded or over-long, or the held-out split is empty).
+        CalibrationError: none is usable (all excluded, over-long or beyond the context with the
+            calibration's max_new_tokens, or the held-out split is empty).
     """
     from data_prep.template import special_token_texts
+    from decoding.vanilla import context_limit
     from evaluation.prompts import Prompt, special_text, template
 
     specials = special_token_texts(tokenizer)
     banned_ids = {p.id for p in eval_prompts}
     banned_tokens = {tuple(p.input_ids.tolist()) for p in eval_prompts}
     max_len = cfg.eval.get("max_prompt_tokens")
+    # prompt + the calibration's replies must fit the context, as the evaluation's prompts must (else its decode raises)
+    budget_key = "calibration_max_new_tokens" if cfg.eval.get("calibration_max_new_tokens") else "max_new_tokens"
+    max_new = int(cfg.eval.get(budget_key) or 0)
+    limit = context_limit(model) if model is not None else None
+    fits = 0
     out = []
     seen = 0
     # from the END of the held-out split: evaluations on held-out ShareGPT take its first prompts, so every shard
@@ -128,13 +138,19 @@ def calibration_prompts(cfg, tokenizer, eval_prompts, count: int) -> list:
         ids = template(tokenizer, messages)
         if tuple(ids.tolist()) in banned_tokens or (max_len is not None and ids.numel() > int(max_len)):
             continue
+        if limit is not None and ids.numel() + max_new > limit:
+            fits += 1
+            continue
         out.append(Prompt(pid, messages, ids))
         if len(out) >= count:
             break
     if not out:
+        beyond = (f"; {fits} of them fit eval.max_prompt_tokens but not the context: prompt + eval.{budget_key}="
+                  f"{max_new} exceeds the base model's context limit max_position_embeddings={limit}, lower "
+                  f"eval.{budget_key}") if fits else ""
         raise CalibrationError(f"eval.tree={cfg.eval.tree}: no usable held-out ShareGPT prompt for the calibration pass "
                                f"({seen} held-out conversations in data.path={cfg.data.get('path')}, all excluded as "
-                               "evaluation prompts or longer than eval.max_prompt_tokens); use eval.tree=config")
+                               f"evaluation prompts or longer than eval.max_prompt_tokens{beyond}); use eval.tree=config")
     return out
 
 
@@ -366,7 +382,7 @@ def plan_tree(cfg, decoder, info: dict, model, identity, tokenizer, eval_prompts
     setup_fn, choose_fn = PLANNERS[head_type]
     setup = setup_fn(head, ev)
     root = Path(str(cfg.get("output_root") or "outputs"))
-    prompts = calibration_prompts(cfg, tokenizer, eval_prompts, int(ev.calibration_prompts))
+    prompts = calibration_prompts(cfg, tokenizer, eval_prompts, int(ev.calibration_prompts), model)
     grid = check_grid(ev.tree_grid)
     max_new = int(ev.get("calibration_max_new_tokens") or ev.max_new_tokens)
     with planning_threads(ev.get("plan_threads")):
@@ -683,7 +699,7 @@ def predict_adadecode(cfg, decoder, model, tokenizer, eval_prompts, eos_ids) -> 
     ev = cfg.eval
     head, _ = heads.load(Path(str(ev.checkpoint)), base_model=model)
     head.to(next(model.parameters()).device).eval()
-    prompts = calibration_prompts(cfg, tokenizer, eval_prompts, int(ev.calibration_prompts))
+    prompts = calibration_prompts(cfg, tokenizer, eval_prompts, int(ev.calibration_prompts), model)
     max_new = int(ev.get("calibration_max_new_tokens") or ev.max_new_tokens)
     L = int(model.config.num_hidden_layers)
     confs, correct = [], []

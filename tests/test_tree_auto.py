@@ -495,3 +495,28 @@ def test_calibration_prompts_are_the_split_end_read_once_and_again_after_an_edit
     target["conversations"][0]["value"] += " <|im_end|>"
     sharegpt.write_text(json.dumps(convs))
     assert [p.id for p in tree_auto.calibration_prompts(cfg, tok, [], 2)] == [heldout[-3], heldout[-4]]
+
+
+def test_calibration_skips_heldout_prompts_that_cannot_fit_the_context(tiny_base, tiny_model_dir, tmp_path, sharegpt):
+    """A held-out prompt whose tokens + the calibration's max_new_tokens exceed max_position_embeddings
+    (2048 here) cannot be decoded: it is skipped like an over-long one, instead of stopping the
+    evaluation's planning with a context error that names neither the prompt nor the key."""
+    import evaluation.tree_auto as tree_auto
+    from data_prep import front
+
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "ctc", "eval.calibration_max_new_tokens=1990")
+    heldout = [pid for pid, _ in front.heldout_prompts(cfg.data)]
+    convs = json.loads(sharegpt.read_text())
+    long = next(c for c in convs if c["id"] == heldout[-1])
+    long["conversations"][0]["value"] = " ".join(["word"] * 60)  # 326 templated tokens: 326 + 1990 > 2048 (the others: 51)
+    sharegpt.write_text(json.dumps(convs))
+    model, tok = tiny_base[0], tiny_base[1]
+    got = tree_auto.calibration_prompts(cfg, tok, [], 3, model)
+    assert [p.id for p in got] == [heldout[-2], heldout[-3], heldout[-4]]
+    assert all(p.input_ids.numel() + 1990 <= 2048 for p in got)
+    # without the model (no context limit known) it stays the last one
+    assert tree_auto.calibration_prompts(cfg, tok, [], 1)[0].id == heldout[-1]
+    # nothing fits: a CalibrationError naming the key, before anything is decoded
+    cfg = _cfg(tiny_model_dir, tmp_path, sharegpt, "ctc", "eval.calibration_max_new_tokens=2047")
+    with pytest.raises(CalibrationError, match=r"eval.calibration_max_new_tokens=2047.*max_position_embeddings=2048"):
+        tree_auto.calibration_prompts(cfg, tok, [], 3, model)
