@@ -182,8 +182,9 @@ def run_evaluation(cfg: DictConfig, base=None, decoder=None) -> dict[str, Any]:
         if finish is not None and not state.get("written") and not isinstance(exc, ResultsMismatch):
             try:
                 out_dir = finish(error=exc)
-                log.error("evaluation stopped (%s: %s); the %d prompt turn(s) decoded are reported in %s; %s",
-                          type(exc).__name__, exc, state.get("decoded", 0), out_dir, resume_hint(out_dir))
+                at = f" while decoding prompt {state['stopped_at']!r}" if state.get("stopped_at") is not None else ""
+                log.error("evaluation stopped%s (%s: %s); the %d prompt turn(s) decoded are reported in %s; %s",
+                          at, type(exc).__name__, exc, state.get("decoded", 0), out_dir, resume_hint(out_dir))
             except Exception as inner:  # noqa: BLE001 — never mask the original failure
                 log.error("could not write the partial report: %s: %s", type(inner).__name__, inner)
         raise
@@ -370,6 +371,7 @@ def _evaluate(cfg: DictConfig, base, decoder, state: dict[str, Any]) -> dict[str
                                             + sum(r["seconds"] for r in ref_tally.values()))
         phases["turns_decoded_earlier"] = min(reused, len(tallied))
         status = run_status(error, prompts, tallied, done[len(tallied)] if len(done) > len(tallied) else None, phases)
+        state["stopped_at"] = status["stopped_at"]  # the prompt turn in flight, named by the log line of a stop
         return _write_outputs(out_dir, methods, acc, identity, device, model, ev, tallied, skipped + skipped_turns,
                               max_new, eos_ids, van_tokens, van_seconds, van_forwards, status, state,
                               raise_on_mismatch=error is None, probes=probes, ref_tally=ref_tally)

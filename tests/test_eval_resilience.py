@@ -131,16 +131,18 @@ class _FailsOn(VanillaDecoder):
 
 @pytest.mark.parametrize("exc", [RuntimeError("drafter blew up"), KeyboardInterrupt()])
 def test_a_failure_in_the_middle_reports_what_was_decoded_and_resume_finishes(tiny_base, tiny_model_dir, tmp_path,
-                                                                              mt_file, exc):
+                                                                              mt_file, exc, caplog):
     model = tiny_base[0]
     out = tmp_path / "out"
     argv = [f"eval.prompts={mt_file}", "eval.turns=all"]
-    with pytest.raises(type(exc)):
+    with pytest.raises(type(exc)), caplog.at_level("ERROR", logger="evaluation.runner"):
         run_evaluation(_cfg(tiny_model_dir, out, *argv), base=tiny_base, decoder=_FailsOn(model, 4, exc))
     part = json.loads((out / "report.json").read_text())
     assert part["complete"] is False and type(exc).__name__ in part["error"]
     assert [r["id"] for r in part["per_prompt"]] == ["1", "1/turn2", "1/turn3"]
     assert part["stopped_at"] == "2" and part["pending_prompts"] == ["2", "3"]
+    # the console names the prompt turn the failure struck (the exception's own message does not)
+    assert "evaluation stopped while decoding prompt '2' (" in caplog.text
     assert part["parity"]["total"] == 3 and part["parity"]["matched"] == 3
     # the default output folder carries the launch time: the hint names this one, or resume=auto starts anew
     assert "incomplete" in (out / "summary.md").read_text()
