@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from core.io import atomic_write_json, make_tmp_dir, names_a_local_path, sha256_file
+from core.io import atomic_write_json, make_tmp_dir, names_a_local_path, replace_dir, sha256_file
 from core.logit_transform import check_logit_transform
 
 log = logging.getLogger(__name__)
@@ -104,9 +104,7 @@ def _convert_into(gguf: Path, digest: str, target: Path) -> None:
         clean.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         atomic_write_json(tmp / "source.json", {"gguf": str(gguf), "sha256": digest})
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        replace_dir(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -86,6 +86,10 @@ ROLE_MAP = {
     "developer": "system",   # OpenAI's name for the system message since its o1 models
 }
 
+#: the keys a record's turn list is read from: ShareGPT's ``conversations``, OpenAI's ``messages``, and
+#: lmsys-chat-1m's ``conversation`` (read when the record has neither of the others)
+TURN_LIST_KEYS = ("conversations", "messages", "conversation")
+
 #: Reasons a record is skipped (the keys of :attr:`ReadStats.dropped`).
 BAD_REASONS = (
     "missing_conversations",  # no ``conversations`` key, not a list, or the record is not an object
@@ -282,7 +286,7 @@ def _utf8_len(text: str) -> int:
 def _is_record_shaped(obj: Any) -> bool:
     """A dict holding a turn list: what the reader resynchronises on (an ``id`` alone is not enough: OpenAI and
     OASST exports give every message one, and a cut record's messages must not pass for records)."""
-    return isinstance(obj, dict) and any(k in obj for k in ("conversations", "messages", "conversation"))
+    return isinstance(obj, dict) and any(k in obj for k in TURN_LIST_KEYS)
 
 
 _REPLACED = [0]  # bytes replaced by the "draftheads-count" codec error handler (single-threaded reader)
@@ -604,7 +608,7 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         is one of :data:`BAD_REASONS` and whose ``message`` says what was wrong.
     """
     keys = {"sharegpt": ("conversations", "from", "value"), "messages": ("messages", "role", "content")}
-    raw = {k: record.get(k) for k in ("conversations", "messages", "conversation")} if isinstance(record, dict) else {}
+    raw = {k: record.get(k) for k in TURN_LIST_KEYS} if isinstance(record, dict) else {}
     read = {k: turn_list(v) for k, v in raw.items()}  # each candidate turn list, parsed once
 
     def listed(key):  # a list (parsed or read by row), or what looks like a JSON list kept as a string
@@ -615,8 +619,7 @@ def normalize(record: Any, index: int, fmt: str = "auto", fixed: Counter | None 
         fmt = "messages" if listed("messages") and not listed("conversations") else "sharegpt"
     list_key, role_key, text_key = keys[fmt]
     fixes: dict[str, str] = {}  # rule -> message (one count per record and rule)
-    if not listed(list_key) and not listed(keys["messages" if fmt == "sharegpt" else "sharegpt"][0]) \
-            and listed("conversation"):  # lmsys-chat-1m: {"conversation": [{"role", "content"}]}
+    if not listed("conversations") and not listed("messages") and listed("conversation"):  # lmsys-chat-1m
         list_key, role_key, text_key = "conversation", "role", "content"
         fixes["conversation_key_read"] = "the turns are under 'conversation' (lmsys-chat-1m's key): read"
     turns, how = read.get(list_key, (None, None))

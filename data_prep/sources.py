@@ -175,10 +175,9 @@ def _csv_as_written(path: Path, encoding: str = "utf-8") -> dict:
     is a string (the turn lists are JSON text either way); an empty cell is ``""``; the file is decoded with
     ``data.encoding`` (``datasets`` would assume UTF-8)."""
     import csv
+    import io
 
     import datasets
-
-    import io
 
     sig = "utf-8-sig" if codecs.lookup(encoding).name == "utf-8" else encoding  # a byte-order mark, as elsewhere
     with open_binary(path) as raw, io.TextIOWrapper(raw, newline="", encoding=sig, errors="replace") as fh:

@@ -14,16 +14,15 @@ from typing import Any, Sequence
 import torch
 
 from core.chat_template import apply_chat_template
-from data_prep.sharegpt import (body_turns, is_null, message_role, replace_lone_surrogates, turn_keys, turn_list,
-                                turn_text, unsupported_field)
+from data_prep.sharegpt import (TURN_LIST_KEYS, body_turns, is_null, message_role, replace_lone_surrogates, turn_keys,
+                                turn_list, turn_text, unsupported_field)
 from data_prep.template import special_token_texts
 
 #: prompt fields, in the order they are looked for: a chat list before a single prompt string, as data prep reads a
 #: record holding both (HuggingFaceH4/no_robots and ultrachat_200k keep ``prompt`` beside the whole ``messages``)
 AUTO_FIELDS = ("turns", "conversations", "messages", "conversation", "prompt", "instruction", "question", "text")
 #: chat-list fields: a list of turns, or that list kept as a JSON string (a CSV column), as data prep reads them
-#: (``conversation``: lmsys-chat-1m's)
-CHAT_FIELDS = ("conversations", "messages", "conversation")
+CHAT_FIELDS = TURN_LIST_KEYS
 ID_FIELDS = ("question_id", "id", "prompt_id", "conversation_id")
 
 

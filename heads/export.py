@@ -295,7 +295,7 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
         the verifier / the base's embedding cannot be resolved, or a weight holds NaN / ±inf (names the
         tensor).  Nothing is written before every check passed.
     """
-    from core.io import atomic_save_safetensors, make_tmp_dir, output_dir_problem
+    from core.io import atomic_save_safetensors, make_tmp_dir, output_dir_problem, replace_dir
     from heads.export_engines import VerifierError, base_embedding, resolve_verifier
 
     out = Path(out).expanduser().resolve()  # "." or "..": a name to write a sibling temporary folder beside
@@ -348,9 +348,7 @@ def export(ckpt: str | os.PathLike, fmt: str, out: str | os.PathLike, base: str 
             ids = vocab.pop("hot_token_ids")
             (tmp / vocab["file"]).write_text(json.dumps({"hot_token_ids": ids, "size": len(ids)}) + "\n")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
+        replace_dir(tmp, out)  # out, when it exists, is an empty folder (checked above)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

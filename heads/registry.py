@@ -161,7 +161,8 @@ def check_checkpoint_dir(directory: str | os.PathLike, head_type: str | None = N
         if not (directory / name).is_file():
             raise FileNotFoundError(f"checkpoint {directory} has no {name}")
     try:
-        held = json.loads((directory / "config.json").read_text(encoding="utf-8"))["head_type"]
+        meta = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        held = meta["head_type"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"checkpoint {directory}: config.json is not a head config ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -174,7 +175,7 @@ def check_checkpoint_dir(directory: str | os.PathLike, head_type: str | None = N
         raise ValueError(f"checkpoint {directory}: model.safetensors is not a readable safetensors file "
                          f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     check_head_type(directory, str(held), head_type)
-    check_weight_shapes(directory, json.loads((directory / "config.json").read_text(encoding="utf-8")), shapes)
+    check_weight_shapes(directory, meta, shapes)
     return directory
 
 

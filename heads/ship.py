@@ -121,7 +121,7 @@ def ship(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", run_d
     meta["extra"]["shipped_from"] = {"checkpoint": str(src.resolve()), "sha256": src_sha256}
     # every file into a fresh sibling folder, then swapped in whole: a crash never leaves one head's weights
     # beside another's config.json (an earlier ship's training record is not this head's either)
-    tmp = make_tmp_dir(prefix=f".{out.name}.", parent=out.parent if str(out.parent) else ".")
+    tmp = make_tmp_dir(prefix=f".{out.name}.", parent=out.parent)
     try:
         atomic_save_safetensors(cast, tmp / "model.safetensors", metadata={**metadata, "stored_dtype": dtype})
         atomic_write_json(tmp / "config.json", meta)
